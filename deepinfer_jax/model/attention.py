@@ -1,0 +1,112 @@
+"""CSA2 attention for one layer: queries, the SWA ring, compressed KV (own or reused), sinks, output.
+
+Every layer has its own queries, window KV and output projection; what differs by role (LayerPlan) is
+where the compressed KV and the top-k come from. The per-step hand-offs between layers (a source's
+caches, its selection, the candidate mask) travel in ``published``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import AttnMode, LayerPlan, ModelConfig
+from deepinfer_jax.model import compressor, indexer
+from deepinfer_jax.model.linear import quant_linear, weight_of
+from deepinfer_jax.model.norms import rms_norm
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8
+from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
+from deepinfer_jax.model.window import window_keys, window_update
+
+
+def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv_bsd: jax.Array | None,
+                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, precision) -> jax.Array:
+    """Softmax over window keys and selected compressed keys, with a per-head sink in the denominator."""
+    qf = q_bthd.astype(jnp.float32)
+    z_w = jnp.einsum("bthd,bwd->bthw", qf, win_k_bwd.astype(jnp.float32), precision=precision) * scale
+    z_w = jnp.where(win_mask_btw[:, :, None, :], z_w, -jnp.inf)
+    parts_z = [z_w]
+    if idx_btk is not None:
+        b = q_bthd.shape[0]
+        sel = comp_kv_bsd[jnp.arange(b)[:, None, None], jnp.maximum(idx_btk, 0)].astype(jnp.float32)  # [B,T,K,D]
+        z_c = jnp.einsum("bthd,btkd->bthk", qf, sel, precision=precision) * scale
+        z_c = jnp.where((idx_btk >= 0)[:, :, None, :], z_c, -jnp.inf)
+        parts_z.append(z_c)
+    z = jnp.concatenate(parts_z, axis=-1)
+    sink = sink_h.astype(jnp.float32)[None, None, :]
+    m = jnp.maximum(jnp.max(z, axis=-1), sink)
+    e = jnp.exp(z - m[..., None])
+    denom = jnp.sum(e, axis=-1) + jnp.exp(sink - m)
+    n_w = z_w.shape[-1]
+    o = jnp.einsum("bthw,bwd->bthd", e[..., :n_w], win_k_bwd.astype(jnp.float32), precision=precision)
+    if idx_btk is not None:
+        o = o + jnp.einsum("bthk,btkd->bthd", e[..., n_w:], sel, precision=precision)
+    return o / denom[..., None]
+
+
+def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_bt: jax.Array, layer_cache: dict,
+              source_caches: dict, published: dict, numerics: Numerics) -> tuple[jax.Array, dict, dict]:
+    """-> (out_btd, new window cache, updated source caches). ``published`` is updated in place."""
+    b, t, _ = x_btd.shape
+    h, hd = cfg.num_attention_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    inv_freq = rope_inv_freq(plan.rope, cfg.qk_rope_head_dim)
+    dt = numerics.dtype
+
+    qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics), p["q_norm"]["weight"], eps, dt)
+    q = quant_linear(qr, p["wq_b"], numerics).reshape(b, t, h, hd)
+    q = apply_rope(q, pos_bt[..., None], inv_freq)
+
+    kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics), p["kv_norm"]["weight"], eps, dt)
+    kv = apply_rope(kv, pos_bt, inv_freq)
+    if numerics.fake_quant:
+        kv = fake_quant_fp8(kv)
+    win_k, win_mask = window_keys(layer_cache["kv"], layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
+    new_win = dict(zip(("kv", "pos"), window_update(layer_cache["kv"], layer_cache["pos"], kv, pos_bt)))
+
+    idx = None
+    comp_kv = None
+    if plan.mode is not AttnMode.SWA:
+        key = f"layer_{plan.kv_source}"
+        if plan.mode is AttnMode.FULL:
+            src = dict(source_caches[key])
+            latent, emits, pend = compressor.compress(p["compressor"], x_btd, pos_bt, plan.ratio,
+                                                      {k: src[k] for k in ("pend_kv", "pend_score") if k in src},
+                                                      eps=eps, numerics=numerics)
+            src.update(pend)
+            j = pos_bt // plan.ratio
+            key_pos = j * plan.ratio
+            ik = indexer.index_keys(p["indexer"], latent, key_pos, inv_freq, eps=eps, numerics=numerics)
+            ckv = apply_rope(latent, key_pos, inv_freq)
+            if numerics.fake_quant:
+                ckv = fake_quant_fp4_e4m3(ckv)
+            n_entries = src["kv"].shape[1]
+            j_write = jnp.where(emits, j, n_entries)  # out of range -> dropped
+            rows = jnp.arange(b)[:, None]
+            src["kv"] = src["kv"].at[rows, j_write].set(ckv.astype(src["kv"].dtype), mode="drop")
+            src["index_k"] = src["index_k"].at[rows, j_write].set(ik.astype(src["index_k"].dtype), mode="drop")
+            source_caches = {**source_caches, key: src}
+        src = source_caches[key]
+        comp_kv = src["kv"]
+        if plan.has_index_query:
+            scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, src["index_k"], plan.ratio,
+                                          inv_freq, numerics)
+            if plan.is_candidate_source:
+                published["candidate_mask"] = indexer.candidate_mask(
+                    scores, pos_bt, plan.ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+            if plan.uses_candidate_mask:
+                scores = jnp.where(published["candidate_mask"], scores, -jnp.inf)
+            idx = indexer.select(scores, cfg.index_topk)
+            published[f"topk_{plan.layer_id}"] = idx
+        else:
+            idx = published[f"topk_{plan.index_source}"]
+
+    o = sink_attention(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics.precision)
+    o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
+    g = cfg.o_groups
+    o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)
+    wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
+    z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision,
+                   preferred_element_type=jnp.float32).astype(dt)
+    out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics)
+    return out, new_win, source_caches

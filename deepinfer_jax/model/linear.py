@@ -1,0 +1,70 @@
+"""Quantized linears computed from the stored formats (weights stay FP8 / packed FP4 in memory).
+
+Dequantization happens inside the jitted graph; the activation fake-quant of the reference is applied
+when ``numerics.fake_quant`` is on. Kernels for the GPU hot path live in ``pallas_kernels``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+
+FP4_BLOCK = 32
+# E2M1 code -> value; index = the 4-bit nibble (sign in bit 3).
+_FP4_VALUES = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
+
+
+def e8m0_to_f32(scale: jax.Array) -> jax.Array:
+    return scale.astype(jnp.float32)
+
+
+def dequant_fp8(w_f8: jax.Array, scale_e8m0: jax.Array) -> jax.Array:
+    """[..., out, in] e4m3 with [..., ceil(out/B), ceil(in/B)] E8M0 block scales -> fp32."""
+    *_, out_dim, in_dim = w_f8.shape
+    bo = -(-out_dim // scale_e8m0.shape[-2])
+    bi = -(-in_dim // scale_e8m0.shape[-1])
+    s = e8m0_to_f32(scale_e8m0)
+    s = jnp.repeat(jnp.repeat(s, bo, axis=-2), bi, axis=-1)[..., :out_dim, :in_dim]
+    return w_f8.astype(jnp.float32) * s
+
+
+def dequant_fp4(w_u8: jax.Array, scale_e8m0: jax.Array) -> jax.Array:
+    """[..., out, in/2] packed E2M1 (element 2k in the low nibble) with [..., out, in/32] E8M0 -> fp32."""
+    lo = _FP4_VALUES[(w_u8 & 0x0F).astype(jnp.int32)]
+    hi = _FP4_VALUES[(w_u8 >> 4).astype(jnp.int32)]
+    w = jnp.stack([lo, hi], axis=-1).reshape(*w_u8.shape[:-1], w_u8.shape[-1] * 2)
+    s = jnp.repeat(e8m0_to_f32(scale_e8m0), FP4_BLOCK, axis=-1)[..., : w.shape[-1]]
+    return w * s
+
+
+def dense(x: jax.Array, w_oi: jax.Array, numerics: Numerics, out_dtype=None) -> jax.Array:
+    """x[..., in] @ w[out, in]^T with fp32 accumulation."""
+    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32) if w_oi.dtype == jnp.float32 else x, w_oi,
+                   precision=numerics.precision, preferred_element_type=jnp.float32)
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
+def weight_of(p: dict, dtype=jnp.float32) -> jax.Array:
+    """The dequantized weight of a linear's param dict (FP8 + scale, packed FP4 + scale, or plain)."""
+    w = p["weight"]
+    if "scale" not in p:
+        return w.astype(dtype)
+    if w.dtype == jnp.uint8:
+        return dequant_fp4(w, p["scale"]).astype(dtype)
+    return dequant_fp8(w, p["scale"]).astype(dtype)
+
+
+def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None) -> jax.Array:
+    """An FP8/FP4-weight linear as the reference runs it: FP8 1x32 activations, fp32 accumulation."""
+    if numerics.fake_quant:
+        x = fake_quant_fp8(x)
+    w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)
+    return dense(x.astype(w.dtype), w, numerics, out_dtype or numerics.dtype)
+
+
+def plain_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, compute_dtype=None) -> jax.Array:
+    """A BF16-weight linear (no activation quantization); compute_dtype=float32 promotes like the reference."""
+    cd = compute_dtype or numerics.dtype
+    return dense(x.astype(cd), p["weight"].astype(cd), numerics, out_dtype or numerics.dtype)

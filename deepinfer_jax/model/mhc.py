@@ -1,0 +1,40 @@
+"""Manifold-constrained hyper-connections: 4 residual streams mixed by Sinkhorn-normalised matrices.
+
+Shapes: the stream state is x_bthd [B, T, hc, D] (hc = 4 copies). All mixing math is fp32 and row-local.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
+          hc_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns)."""
+    b, t, hc, d = x_bthd.shape
+    f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
+    m = jnp.einsum("btk,mk->btm", f, fn, precision=jax.lax.Precision.HIGHEST)
+    m = m * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + norm_eps)
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(b, t, hc, hc)
+    comb = jax.nn.softmax(logits, axis=-1) + hc_eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+    return pre, post, comb
+
+
+def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:
+    """Collapse the streams: sum_c pre_c x_c (fp32 sum)."""
+    return jnp.einsum("bthd,bth->btd", x_bthd.astype(jnp.float32), pre_bth,
+                      precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+
+def post_apply(y_btd: jax.Array, x_bthd: jax.Array, post_bth: jax.Array, comb_bthk: jax.Array, out_dtype) -> jax.Array:
+    """Expand: new_k = post_k y + sum_j comb[j, k] x_j."""
+    mixed = jnp.einsum("bthd,bthk->btkd", x_bthd.astype(jnp.float32), comb_bthk,
+                       precision=jax.lax.Precision.HIGHEST)
+    return (post_bth[..., None] * y_btd.astype(jnp.float32)[:, :, None, :] + mixed).astype(out_dtype)

@@ -1,0 +1,89 @@
+"""Numerics switches and the simulated-quantization sites of the reference (spec §2.9-2.10).
+
+``Numerics.reference()`` follows the official reference: BF16 activations and caches, and the FP8/FP4
+fake-quantization before every quantized GEMM and on the KV caches. ``Numerics.exact()`` keeps fp32
+activations and no fake quantization: the mode the float64 numpy tests compare against, because a
+quantizer that flips one rounding step makes any float64-vs-float32 comparison meaningless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    act_dtype: str = "bfloat16"  # residual stream, activations, caches
+    fake_quant: bool = True  # simulate the deployment quantizers where the reference does
+
+    @classmethod
+    def reference(cls) -> "Numerics":
+        return cls("bfloat16", True)
+
+    @classmethod
+    def exact(cls) -> "Numerics":
+        return cls("float32", False)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.act_dtype)
+
+    @property
+    def precision(self) -> jax.lax.Precision:
+        # fp32 tests need true fp32 products; bf16 inputs are exact in one pass anyway.
+        return jax.lax.Precision.HIGHEST
+
+
+def _pow2_ceil(x: jax.Array) -> jax.Array:
+    """2^ceil(log2(x)) for positive normal fp32 x, from the exponent bits (exact, no log2 rounding)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    exp = exp + (mant != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(exp << 23, jnp.float32)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    *lead, k = x.shape
+    if k % block:
+        raise ValueError(f"last dim {k} is not a multiple of the quantization block {block}")
+    return x.reshape(*lead, k // block, block)
+
+
+def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
+    """FP8-E4M3 with one power-of-two scale per ``block`` values along the last axis (amax floored at 1e-4)."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
+    s = _pow2_ceil(amax * (1.0 / FP8_MAX))
+    q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * s).reshape(x.shape).astype(x.dtype)
+
+
+def _round_e2m1(y: jax.Array) -> jax.Array:
+    """Round |y| <= 6 to the nearest E2M1 value, ties to even mantissa (the hardware cast rule)."""
+    return y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+
+
+def fake_quant_fp4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
+    """FP4-E2M1 with a power-of-two (E8M0) scale per ``block`` values (index K and Q)."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
+    s = _pow2_ceil(amax * (1.0 / FP4_MAX))
+    q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
+    return (q * s).reshape(x.shape).astype(x.dtype)
+
+
+def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
+    """FP4-E2M1 with an ordinary E4M3 scale per ``block`` values (compressed main KV)."""
+    xb = _blocks(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    s = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
+    return (q * s).reshape(x.shape).astype(x.dtype)

@@ -1,0 +1,44 @@
+"""Partial interleaved RoPE on the last ``rope_dim`` dims, with DeepSeek-YaRN on compressed layers."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import RopeSpec
+
+
+def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> np.ndarray:
+    """float64[rope_dim/2]; YaRN ramps pairs between the beta_fast and beta_slow boundaries to f/factor."""
+    i = np.arange(rope_dim // 2, dtype=np.float64)
+    freq = spec.theta ** (-2.0 * i / rope_dim)
+    if spec.yarn_factor == 1.0:
+        return freq
+
+    def boundary(beta: float) -> float:
+        return rope_dim * math.log(spec.yarn_original_len / (beta * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low = max(math.floor(boundary(spec.yarn_beta_fast)), 0)
+    high = min(math.ceil(boundary(spec.yarn_beta_slow)), rope_dim - 1)
+    ramp = np.clip((i - low) / max(high - low, 1e-3), 0.0, 1.0)
+    return freq * (1 - ramp) + freq / spec.yarn_factor * ramp
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False) -> jax.Array:
+    """Rotate adjacent pairs of x[..., -rope_dim:] by position * inv_freq.
+
+    x: [..., T, (heads,) dim] with positions broadcastable to x.shape[:-1] after adding the heads axis by
+    the caller. Math in fp32, result in x.dtype.
+    """
+    rope_dim = 2 * inv_freq.shape[0]
+    nope, rot = x[..., :-rope_dim], x[..., -rope_dim:].astype(jnp.float32)
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if inverse:
+        sin = -sin
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)

@@ -1,0 +1,88 @@
+"""The V4.1 forward pass as pure functions: ``forward(params, cfg, cache, tokens, positions, ...)``.
+
+One call processes T tokens for each of B slots at their own absolute positions (prefill chunks and
+decode steps alike); rows with position -1 are padding and write nothing. Layers run in order, a
+Python loop over the per-layer plan: roles differ by layer, so there is no scan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model import engram, mhc
+from deepinfer_jax.model.attention import attention
+from deepinfer_jax.model.moe import moe
+from deepinfer_jax.model.norms import rms_norm
+from deepinfer_jax.model.numerics import Numerics
+
+__all__ = ["Numerics", "forward", "forward_hidden", "lm_head"]
+
+
+def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
+    return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
+                     norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+
+def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
+          cache: dict, published: dict, numerics: Numerics):
+    """One V4.1 block with the delayed-pre mHC: attention collapses with the carried pre, the FFN with
+    the attention site's pre, and the FFN site's pre is carried to the next block."""
+    plan = cfg.layer_plan(layer_id)
+    dt = numerics.dtype
+    eps = cfg.rms_norm_eps
+    a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg)
+    x = rms_norm(mhc.pre_apply(x_bthd, carried_pre, dt), p["attn_norm"]["weight"], eps, dt)
+    attn_out, new_win, sources = attention(p["attn"], cfg, plan, x, pos_bt, cache["window"][layer_id],
+                                           cache["sources"], published, numerics)
+    x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
+    f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg)
+    x = rms_norm(mhc.pre_apply(x_bthd, a_pre, dt), p["ffn_norm"]["weight"], eps, dt)
+    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics), x_bthd, f_post, f_comb, dt)
+    window = tuple(new_win if i == layer_id else w for i, w in enumerate(cache["window"]))
+    return x_bthd, f_pre, {"window": window, "sources": sources}
+
+
+def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
+                   engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None,
+                   return_layer_states: bool = False):
+    """-> (h_btd after the final norm, new cache[, per-layer 4-stream states [L] of [B,T,hc,D]])."""
+    dt = numerics.dtype
+    b, t = tokens_bt.shape
+    hc = cfg.hc_mult
+    e = params["embed"]["weight"][tokens_bt].astype(dt)
+    x_bthd = jnp.broadcast_to(e[:, :, None, :], (b, t, hc, e.shape[-1]))
+    pre = jnp.broadcast_to(jax.nn.one_hot(0, hc, dtype=jnp.float32), (b, t, hc))
+    last_source = max(cfg.kv_source_layer_ids, default=-1)
+    upper_pos = positions_bt if replay_mask_bt is None else jnp.where(replay_mask_bt, positions_bt, -1)
+    published: dict = {}
+    states = []
+    for layer_id in range(cfg.num_hidden_layers):
+        if layer_id in cfg.engram_layer_ids:
+            rows = engram_rows_btnc[:, :, cfg.engram_layer_ids.index(layer_id)]
+            x_bthd = engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
+                                   numerics=numerics)
+        pos = positions_bt if layer_id <= last_source else upper_pos
+        x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
+                                   numerics)
+        if return_layer_states:
+            states.append(x_bthd)
+    h = rms_norm(mhc.pre_apply(x_bthd, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
+    if return_layer_states:
+        return h, cache, states
+    return h, cache
+
+
+def lm_head(params: dict, h_btd: jax.Array) -> jax.Array:
+    """fp32 logits (the head is stored BF16 and used in fp32, untied from the embedding)."""
+    return jnp.einsum("btd,vd->btv", h_btd.astype(jnp.float32), params["head"]["weight"].astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def forward(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
+            engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None):
+    """-> (logits_btv fp32, new cache)."""
+    h, cache = forward_hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics,
+                              replay_mask_bt)
+    return lm_head(params, h), cache

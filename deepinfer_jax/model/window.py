@@ -1,0 +1,40 @@
+"""The per-layer sliding-window ring: slot = position mod W, each slot remembering its position."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def window_keys(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array, pos_bt: jax.Array,
+                window: int) -> tuple[jax.Array, jax.Array]:
+    """Keys for the chunk's queries: the ring as it was before this step, then the chunk's own rows.
+
+    Returns (keys [B, W+T, D], mask [B, T, W+T]). Ring rows are only trusted below the chunk's first
+    position: anything at or above it is stale (an earlier request in the slot) or re-computed here.
+    """
+    first = jnp.min(jnp.where(pos_bt >= 0, pos_bt, jnp.iinfo(jnp.int32).max), axis=1)  # [B]
+    ring_pos = jnp.where((win_pos_bw >= 0) & (win_pos_bw < first[:, None]), win_pos_bw, -1)
+    key_pos = jnp.concatenate([ring_pos, pos_bt], axis=1)  # [B, W+T]
+    q = pos_bt[:, :, None]
+    k = key_pos[:, None, :]
+    mask = (k >= 0) & (k <= q) & (k > q - window) & (q >= 0)
+    return jnp.concatenate([win_kv_bwd, kv_btd.astype(win_kv_bwd.dtype)], axis=1), mask
+
+
+def window_update(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array,
+                  pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write the chunk's newest W rows into their slots (rows are contiguous in position)."""
+    w = win_kv_bwd.shape[1]
+    t = pos_bt.shape[1]
+    valid = pos_bt >= 0
+    p_last = jnp.max(jnp.where(valid, pos_bt, -1), axis=1)[:, None]
+    p_first = jnp.min(jnp.where(valid, pos_bt, jnp.iinfo(jnp.int32).max), axis=1)[:, None]
+    t_first = jnp.argmax(valid, axis=1)[:, None]
+    slot = jnp.arange(w)[None, :]
+    p = p_last - jnp.mod(p_last - slot, w)  # newest position of the chunk that maps to each slot
+    take = (p >= p_first) & (p_last >= 0)
+    rows = jnp.clip(p - p_first + t_first, 0, t - 1)
+    new_kv = jnp.where(take[..., None], jnp.take_along_axis(kv_btd, rows[..., None], axis=1).astype(win_kv_bwd.dtype),
+                       win_kv_bwd)
+    return new_kv, jnp.where(take, p, win_pos_bw)
