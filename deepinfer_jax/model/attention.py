@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, LayerPlan, ModelConfig
-from deepinfer_jax.model import compressor, indexer
+from deepinfer_jax.model import compressor, indexer, kv_codec
 from deepinfer_jax.model.linear import quant_linear, weight_of
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8
@@ -19,16 +19,19 @@ from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
 from deepinfer_jax.model.window import window_keys, window_update
 
 
-def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv_bsd: jax.Array | None,
+def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
                    idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, precision) -> jax.Array:
-    """Softmax over window keys and selected compressed keys, with a per-head sink in the denominator."""
+    """Softmax over window keys and selected compressed keys, with a per-head sink in the denominator.
+
+    comp_kv: the compressed-KV storage (kv_codec); only the selected rows are read and decoded."""
     qf = q_bthd.astype(jnp.float32)
     z_w = jnp.einsum("bthd,bwd->bthw", qf, win_k_bwd.astype(jnp.float32), precision=precision) * scale
     z_w = jnp.where(win_mask_btw[:, :, None, :], z_w, -jnp.inf)
     parts_z = [z_w]
     if idx_btk is not None:
         b = q_bthd.shape[0]
-        sel = comp_kv_bsd[jnp.arange(b)[:, None, None], jnp.maximum(idx_btk, 0)].astype(jnp.float32)  # [B,T,K,D]
+        rows = kv_codec.gather(comp_kv, jnp.arange(b)[:, None, None], jnp.maximum(idx_btk, 0))
+        sel = kv_codec.decode(kv_codec.COMPRESSED, rows, jnp.float32)  # [B, T, K, D]
         z_c = jnp.einsum("bthd,btkd->bthk", qf, sel, precision=precision) * scale
         z_c = jnp.where((idx_btk >= 0)[:, :, None, :], z_c, -jnp.inf)
         parts_z.append(z_c)
@@ -61,8 +64,12 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     kv = apply_rope(kv, pos_bt, inv_freq)
     if numerics.fake_quant:
         kv = fake_quant_fp8(kv)
-    win_k, win_mask = window_keys(layer_cache["kv"], layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
-    new_win = dict(zip(("kv", "pos"), window_update(layer_cache["kv"], layer_cache["pos"], kv, pos_bt)))
+    kvq = numerics.kv_quant
+    ring = kv_codec.decode(kv_codec.WINDOW, layer_cache["kv"], dt)
+    win_k, win_mask = window_keys(ring, layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
+    new_ring, new_pos = window_update(layer_cache["kv"], layer_cache["pos"],
+                                      kv_codec.encode(kv_codec.WINDOW, kv, kvq, dt), pos_bt)
+    new_win = {"kv": new_ring, "pos": new_pos}
 
     idx = None
     comp_kv = None
@@ -80,16 +87,18 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
             ckv = apply_rope(latent, key_pos, inv_freq)
             if numerics.fake_quant:
                 ckv = fake_quant_fp4_e4m3(ckv)
-            n_entries = src["kv"].shape[1]
+            n_entries = src["kv"]["values"].shape[1]
             j_write = jnp.where(emits, j, n_entries)  # out of range -> dropped
             rows = jnp.arange(b)[:, None]
-            src["kv"] = src["kv"].at[rows, j_write].set(ckv.astype(src["kv"].dtype), mode="drop")
-            src["index_k"] = src["index_k"].at[rows, j_write].set(ik.astype(src["index_k"].dtype), mode="drop")
+            src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(kv_codec.COMPRESSED, ckv, kvq, dt))
+            src["index_k"] = kv_codec.scatter(src["index_k"], rows, j_write,
+                                              kv_codec.encode(kv_codec.INDEX_K, ik, kvq, dt))
             source_caches = {**source_caches, key: src}
         src = source_caches[key]
         comp_kv = src["kv"]
         if plan.has_index_query:
-            scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, src["index_k"], plan.ratio,
+            index_k = kv_codec.decode(kv_codec.INDEX_K, src["index_k"], dt)
+            scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, index_k, plan.ratio,
                                           inv_freq, numerics)
             if plan.is_candidate_source:
                 published["candidate_mask"] = indexer.candidate_mask(

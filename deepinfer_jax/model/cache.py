@@ -3,25 +3,31 @@
 * ``window[L]``: the layer's SWA ring, kv [B, W, head_dim] and the position held by each slot [B, W].
 * ``sources["layer_{s}"]`` for every KV-source layer s: compressed KV [B, ceil(max_len/r), head_dim],
   index-K [B, ceil(max_len/r), index_head_dim], and for ratio 2 the fp32 pending half-pair.
+Each KV tensor is a storage dict from ``kv_codec`` ({"values"} in BF16, or {"values", "scale"} at
+deployment precision when ``numerics.kv_quant``).
 Positions start at -1 (empty); nothing else needs resetting between requests (attention trusts only
 entries its own positions make visible).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model import kv_codec
 from deepinfer_jax.model.numerics import Numerics
 
 
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
     """The cache as a pytree of jax.ShapeDtypeStruct (for memory planning without allocating)."""
     dt = numerics.dtype
+    q = numerics.kv_quant
     w = cfg.sliding_window
     window = tuple(
-        {"kv": jax.ShapeDtypeStruct((batch, w, cfg.head_dim), dt),
+        {"kv": kv_codec.stored_shapes(kv_codec.WINDOW, (batch, w), cfg.head_dim, q, dt),
          "pos": jax.ShapeDtypeStruct((batch, w), jnp.int32)}
         for _ in range(cfg.num_hidden_layers)
     )
@@ -29,8 +35,8 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         n = -(-max_len // r)
-        entry = {"kv": jax.ShapeDtypeStruct((batch, n, cfg.head_dim), dt),
-                 "index_k": jax.ShapeDtypeStruct((batch, n, cfg.index_head_dim), dt)}
+        entry = {"kv": kv_codec.stored_shapes(kv_codec.COMPRESSED, (batch, n), cfg.head_dim, q, dt),
+                 "index_k": kv_codec.stored_shapes(kv_codec.INDEX_K, (batch, n), cfg.index_head_dim, q, dt)}
         if r > 1:
             entry["pend_kv"] = jax.ShapeDtypeStruct((batch, cfg.head_dim), jnp.float32)
             entry["pend_score"] = jax.ShapeDtypeStruct((batch, cfg.head_dim), jnp.float32)
@@ -40,7 +46,8 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
     def make(sd: jax.ShapeDtypeStruct) -> jax.Array:
-        fill = -1 if sd.dtype == jnp.int32 else 0
+        # positions start empty (-1); E8M0 has no zero, so scales start at 1 to keep empty rows finite
+        fill = -1 if sd.dtype == jnp.int32 else (1 if sd.dtype == jnp.float8_e8m0fnu else 0)
         return jnp.full(sd.shape, fill, sd.dtype)
 
     return jax.tree.map(make, cache_shapes(cfg, batch, max_len, numerics))
@@ -48,4 +55,4 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> int:
     leaves = jax.tree.leaves(cache_shapes(cfg, batch, max_len, numerics))
-    return sum(int(jnp.dtype(x.dtype).itemsize) * int(jnp.prod(jnp.array(x.shape))) for x in leaves)
+    return sum(int(jnp.dtype(x.dtype).itemsize) * math.prod(x.shape) for x in leaves)

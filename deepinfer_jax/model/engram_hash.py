@@ -87,3 +87,14 @@ def engram_row_ids(
     rolling = np.bitwise_xor.accumulate(toks * mult[None, :], axis=1)  # R_{s+1} for s = 0..n-1
     rows = rolling[:, 1:, None] % primes[None] + offsets[None]  # [T, n-1, heads]
     return rows.reshape(len(pos), -1)
+
+
+def engram_rows(cfg: "ModelConfig", comp_ids_t: np.ndarray, history: np.ndarray, pad_id: int) -> np.ndarray:
+    """int32[T, n_engram_layers, columns]: the rows of every Engram layer for T new tokens (host side)."""
+    per_layer = [engram_row_ids(cfg, lid, comp_ids_t, history, pad_id) for lid in cfg.engram_layer_ids]
+    if not per_layer:
+        return np.zeros((len(comp_ids_t), 0, 0), np.int32)
+    rows = np.stack(per_layer, axis=1)
+    if rows.size and rows.max() >= 2**31:
+        raise OverflowError("Engram row ids exceed int32; the table is larger than any known checkpoint")
+    return rows.astype(np.int32)

@@ -20,16 +20,22 @@ _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
-    act_dtype: str = "bfloat16"  # residual stream, activations, caches
+    act_dtype: str = "bfloat16"  # residual stream and activations
     fake_quant: bool = True  # simulate the deployment quantizers where the reference does
+    kv_quant: bool = True  # store KV caches at deployment precision (FP8 window, FP4 compressed/index-K)
 
     @classmethod
-    def reference(cls) -> "Numerics":
-        return cls("bfloat16", True)
+    def reference(cls, kv_quant: bool = True) -> "Numerics":
+        return cls("bfloat16", True, kv_quant)
 
     @classmethod
     def exact(cls) -> "Numerics":
-        return cls("float32", False)
+        return cls("float32", False, False)
+
+    def __post_init__(self):
+        if self.kv_quant and not self.fake_quant:
+            # Storing quantized KV without the matching fake-quant would change results silently.
+            raise ValueError("Numerics(kv_quant=True) needs fake_quant=True")
 
     @property
     def dtype(self) -> jnp.dtype:

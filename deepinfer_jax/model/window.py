@@ -22,10 +22,13 @@ def window_keys(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array,
     return jnp.concatenate([win_kv_bwd, kv_btd.astype(win_kv_bwd.dtype)], axis=1), mask
 
 
-def window_update(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array,
-                  pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Write the chunk's newest W rows into their slots (rows are contiguous in position)."""
-    w = win_kv_bwd.shape[1]
+def window_update(win_stored: dict, win_pos_bw: jax.Array, kv_stored: dict,
+                  pos_bt: jax.Array) -> tuple[dict, jax.Array]:
+    """Write the chunk's newest W rows into their slots (rows are contiguous in position).
+
+    win_stored / kv_stored: the storage leaves (kv_codec) of the ring [B, W, ...] and of the chunk [B, T, ...].
+    """
+    w = win_pos_bw.shape[1]
     t = pos_bt.shape[1]
     valid = pos_bt >= 0
     p_last = jnp.max(jnp.where(valid, pos_bt, -1), axis=1)[:, None]
@@ -35,6 +38,6 @@ def window_update(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Arra
     p = p_last - jnp.mod(p_last - slot, w)  # newest position of the chunk that maps to each slot
     take = (p >= p_first) & (p_last >= 0)
     rows = jnp.clip(p - p_first + t_first, 0, t - 1)
-    new_kv = jnp.where(take[..., None], jnp.take_along_axis(kv_btd, rows[..., None], axis=1).astype(win_kv_bwd.dtype),
-                       win_kv_bwd)
-    return new_kv, jnp.where(take, p, win_pos_bw)
+    new = {k: jnp.where(take[..., None], jnp.take_along_axis(kv_stored[k], rows[..., None], axis=1), v)
+           for k, v in win_stored.items()}
+    return new, jnp.where(take, p, win_pos_bw)

@@ -1,0 +1,43 @@
+"""Shared fixtures: the committed tiny checkpoint, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CKPT = ROOT / "checkpoints" / "tiny-v41"
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt() -> Path:
+    if not (TINY_CKPT / "config.json").exists():
+        pytest.fail(f"the committed tiny checkpoint is missing at {TINY_CKPT}; run python checkpoints/make_tiny.py")
+    return TINY_CKPT
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_ckpt):
+    from deepinfer_jax.config import ModelConfig
+
+    return ModelConfig.from_json(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_ckpt, tiny_cfg):
+    from deepinfer_jax.checkpoint.loader import load_params
+
+    return load_params(tiny_ckpt, tiny_cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_token_map(tiny_ckpt, tiny_cfg):
+    from deepinfer_jax.engine.token_map import compressed_token_map
+
+    table, _ = compressed_token_map(tiny_ckpt / "tokenizer.json", tiny_cfg.vocab_size)
+    return table
+
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
