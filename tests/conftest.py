@@ -41,3 +41,14 @@ def tiny_token_map(tiny_ckpt, tiny_cfg):
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config):
+    # Every test process compiles the same tiny-model steps; a shared on-disk cache makes the second
+    # compile of an identical step (another test, another xdist worker) a cache hit.
+    import jax
+
+    cache_dir = ROOT / ".pytest_cache" / "jax_compilation_cache"
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -21,9 +21,13 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(b, t, hc, hc)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+
+    def sinkhorn_round(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    # A loop rather than unrolled rounds: same arithmetic, a much smaller graph to compile.
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb)
     return pre, post, comb
 
 
