@@ -16,6 +16,8 @@ from deepinfer_jax.model.numerics import Numerics
 def lookup(table: dict, rows_btc: jax.Array, dtype) -> jax.Array:
     """rows [B, T, C] -> u [B, T, C * head_dim]: FP8 rows times their per-32-column E8M0 scales."""
     w = table["weight"][rows_btc].astype(jnp.float32)  # [B, T, C, hd]
+    if "scale" not in table:  # an unquantized table
+        return w.reshape(*rows_btc.shape[:2], -1).astype(dtype)
     s = table["scale"][rows_btc].astype(jnp.float32)  # [B, T, C, hd/32]
     w = w * jnp.repeat(s, w.shape[-1] // s.shape[-1], axis=-1)
     return w.reshape(*rows_btc.shape[:2], -1).astype(dtype)
