@@ -1,0 +1,184 @@
+"""Each model module against the independent float64 numpy reference (tests/reference/numpy_v41.py).
+
+Inputs are random; our functions run in fp32 with HIGHEST-precision dots, so agreement is to ~1e-6
+relative (tolerances below are 1e-5 unless a comment says otherwise). Discrete outputs (selections,
+masks) must be identical.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.config import RopeSpec
+from deepinfer_jax.model import compressor, engram, indexer, mhc, moe, numerics as nq
+from deepinfer_jax.model.attention import sink_attention
+from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
+from deepinfer_jax.model.selection import topk_positions
+from deepinfer_jax.model.transformer import Numerics
+from reference import numpy_v41 as ref
+
+EXACT = Numerics.exact()
+RTOL = 1e-5
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def close(a, b, rtol=RTOL):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+    assert err < rtol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("ratio", [0, 1])
+def test_rope(ratio):
+    spec = RopeSpec(10000.0, 1.0, 32, 1, 65536) if ratio == 0 else RopeSpec(160000.0, 16.0, 32, 1, 65536)
+    ours = rope_inv_freq(spec, 64)
+    theirs = ref.rope_freqs(64, ratio, 10000.0, 160000.0, 16.0, 65536, 32, 1)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+    x = rng().standard_normal((7, 3, 128))
+    pos = np.array([0, 1, 5, 100, 4095, 65535, 300000])
+    # The angle position * freq is an fp32 product (as in the reference's fp32 table): its absolute error
+    # is ~pos * 6e-8 rad, 2.5e-4 at position 4095. Larger positions are checked for norm preservation only.
+    small = pos[:5]
+    got = apply_rope(jnp.asarray(x[:5], jnp.float32), jnp.asarray(small)[:, None], ours)
+    close(got, ref.apply_rope(x[:5], small, theirs), 5e-4)
+    far = apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos)[:, None], ours)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(far), axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    back = apply_rope(got, jnp.asarray(small)[:, None], ours, inverse=True)
+    close(back, x[:5], 1e-5)
+
+
+def test_mhc_mixes_and_apply():
+    r = rng(1)
+    x = r.standard_normal((2, 3, 4, 16))
+    fn = r.standard_normal((24, 64)) / 8
+    base, scale = r.standard_normal(24), r.standard_normal(3)
+    pre, post, comb = mhc.mixes(jnp.asarray(x, jnp.float32), jnp.asarray(fn, jnp.float32), jnp.asarray(base, jnp.float32),
+                                jnp.asarray(scale, jnp.float32), norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
+    rp, rq, rc = ref.mhc_mixes(x, fn, base, scale, 1e-20, 1e-6, 20)
+    close(pre, rp), close(post, rq), close(comb, rc)
+    y = r.standard_normal((2, 3, 16))
+    close(mhc.pre_apply(jnp.asarray(x, jnp.float32), pre, jnp.float32), ref.pre_apply(x, rp))
+    close(mhc.post_apply(jnp.asarray(y, jnp.float32), jnp.asarray(x, jnp.float32), post, comb, jnp.float32),
+          ref.post_apply(y, x, rq, rc))
+
+
+def test_engram_inject():
+    r = rng(2)
+    t, hc, d, cols, hd, n = 5, 4, 16, 6, 8, 40
+    x = r.standard_normal((t, hc, d))
+    rows = r.integers(0, n, size=(t, cols))
+    table = r.standard_normal((n, hd))
+    wkv = r.standard_normal(((hc + 1) * d, cols * hd)) / np.sqrt(cols * hd)
+    qw, kw = 1 + 0.1 * r.standard_normal((hc, d)), 1 + 0.1 * r.standard_normal((hc, d))
+    p = {"embed": {"weight": jnp.asarray(table, jnp.float32)}, "wkv": {"weight": jnp.asarray(wkv, jnp.float32)},
+         "q_weight": jnp.asarray(qw, jnp.float32), "k_weight": jnp.asarray(kw, jnp.float32)}
+    got = engram.inject(p, jnp.asarray(x[None], jnp.float32), jnp.asarray(rows[None]), eps=1e-20, numerics=EXACT)
+    close(got[0], ref.engram_inject(x, rows, table, wkv, qw, kw, 1e-20))
+
+
+def test_pair_compressor_with_chunking():
+    r = rng(3)
+    t, d, hd = 9, 16, 8
+    x = r.standard_normal((t, d))
+    wkv, wg = r.standard_normal((hd, d)) / 4, r.standard_normal((hd, d)) / 4
+    nw = 1 + 0.1 * r.standard_normal(hd)
+    p = {"wkv": {"weight": jnp.asarray(wkv, jnp.float32)}, "wgate": {"weight": jnp.asarray(wg, jnp.float32)},
+         "norm": {"weight": jnp.asarray(nw, jnp.float32)}}
+    want = ref.compress_pairs(x, wkv, wg, nw, 1e-20)  # 4 complete pairs
+    state = {"pend_kv": jnp.zeros((1, hd)), "pend_score": jnp.zeros((1, hd))}
+    got = []
+    for lo, hi in [(0, 3), (3, 4), (4, 9)]:  # odd cut points: pairs straddle chunk boundaries
+        lat, emits, state = compressor.compress(p, jnp.asarray(x[None, lo:hi], jnp.float32),
+                                                jnp.arange(lo, hi, dtype=jnp.int32)[None], 2, state, eps=1e-20,
+                                                numerics=EXACT)
+        got += [np.asarray(lat[0, i]) for i in range(hi - lo) if bool(emits[0, i])]
+    close(np.stack(got), want)
+    close(compressor.compress({"wkv": p["wkv"], "norm": p["norm"]}, jnp.asarray(x[None], jnp.float32),
+                              jnp.arange(t, dtype=jnp.int32)[None], 1, {}, eps=1e-20, numerics=EXACT)[0][0],
+          ref.compress_ratio1(x, wkv, nw, 1e-20))
+
+
+def test_index_scores_candidate_pool_and_selection():
+    r = rng(4)
+    t, s, hi, di, d, qrank = 6, 12, 2, 16, 24, 8
+    x, qr = r.standard_normal((t, d)), r.standard_normal((t, qrank))
+    wq, wp = r.standard_normal((hi * di, qrank)) / 3, r.standard_normal((hi, d)) / 5
+    k = r.standard_normal((s, di))
+    pos = np.arange(5, 5 + t)
+    spec = RopeSpec(160000.0, 16.0, 32, 1, 256)
+    inv_freq = rope_inv_freq(spec, 8)
+    cfg = type("C", (), {"index_n_heads": hi, "index_head_dim": di})
+    p = {"wq_b": {"weight": jnp.asarray(wq, jnp.float32)}, "weights_proj": {"weight": jnp.asarray(wp, jnp.float32)}}
+    ours = indexer.index_scores(p, cfg, jnp.asarray(x[None], jnp.float32), jnp.asarray(qr[None], jnp.float32),
+                                jnp.asarray(pos[None]), jnp.asarray(k[None], jnp.float32), 1, inv_freq, EXACT)[0]
+    iq = ref.apply_rope((qr @ wq.T).reshape(t, hi, di), pos, inv_freq)
+    want = ref.index_scores(iq, (x @ wp.T) * di ** -0.5 * hi ** -0.5, k, pos, 1)
+    assert np.array_equal(np.isfinite(np.asarray(ours)), np.isfinite(want))
+    close(np.where(np.isfinite(want), np.asarray(ours), 0), np.where(np.isfinite(want), want, 0))
+    scores = jnp.asarray(want, jnp.float32)[None]
+    cm = indexer.candidate_mask(scores, jnp.asarray(pos)[None], 1, 2, 3)[0]
+    assert np.array_equal(np.asarray(cm), ref.candidate_mask(want, pos, 1, 2, 3))
+    masked = np.where(ref.candidate_mask(want, pos, 1, 2, 3), want, -np.inf)
+    got = topk_positions(jnp.asarray(masked, jnp.float32), 4)
+    assert np.array_equal(np.asarray(got), ref.select_topk(masked, 4))
+
+
+def test_select_ties_go_to_lower_index():
+    scores = np.array([[1.0, 3.0, 3.0, 2.0, 3.0, -np.inf]])
+    assert np.asarray(topk_positions(jnp.asarray(scores, jnp.float32), 2)).tolist() == [[1, 2]]
+    assert np.array_equal(np.asarray(topk_positions(jnp.asarray(scores, jnp.float32), 6)), ref.select_topk(scores, 6))
+
+
+def test_sink_attention_window_plus_compressed():
+    r = rng(5)
+    t, h, d, w, s, k = 3, 4, 16, 5, 7, 3
+    q = r.standard_normal((t, h, d))
+    win = r.standard_normal((w, d))
+    comp = r.standard_normal((s, d))
+    mask = r.random((t, w)) < 0.7
+    idx = np.array([[0, 3, -1], [6, 6, 2], [-1, -1, -1]])  # duplicates kept, -1 skipped
+    sink = r.standard_normal(h)
+    got = sink_attention(jnp.asarray(q[None], jnp.float32), jnp.asarray(win[None], jnp.float32), jnp.asarray(mask[None]),
+                         {"values": jnp.asarray(comp[None], jnp.float32)}, jnp.asarray(idx[None]),
+                         jnp.asarray(sink, jnp.float32), d ** -0.5, EXACT.precision)[0]
+    kv = np.concatenate([win, comp])
+    win_idx = np.where(mask, np.arange(w)[None], -1)
+    all_idx = np.concatenate([win_idx, np.where(idx >= 0, idx + w, -1)], axis=1)
+    close(got, ref.sparse_sink_attention(q, kv, all_idx, sink, d ** -0.5))
+
+
+def test_moe_route_and_experts():
+    r = rng(6)
+    m, d, e, inter, k = 9, 16, 8, 12, 2
+    x = r.standard_normal((m, d))
+    gate_w, bias = r.standard_normal((e, d)), 0.3 * r.standard_normal(e)
+    cfg = type("C", (), {"norm_topk_prob": True, "routed_scaling_factor": 1.5})
+    ids, wts = moe.route({"weight": jnp.asarray(gate_w, jnp.float32), "bias": jnp.asarray(bias, jnp.float32)}, cfg,
+                         jnp.asarray(x, jnp.float32), k)
+    rids, rw = ref.route(x, gate_w, bias, k, 1.5, True)
+    assert np.array_equal(np.asarray(ids), rids)
+    close(wts, rw)
+    w1, w3 = r.standard_normal((e, inter, d)) / 4, r.standard_normal((e, inter, d)) / 4
+    w2 = r.standard_normal((e, d, inter)) / 4
+    p = {"w1": {"weight": jnp.asarray(w1, jnp.float32)}, "w3": {"weight": jnp.asarray(w3, jnp.float32)},
+         "w2": {"weight": jnp.asarray(w2, jnp.float32)}}
+    got = moe.routed_experts_gather(p, jnp.asarray(x, jnp.float32), ids, wts, 10.0, EXACT).sum(axis=1)
+    want = np.stack([
+        sum(ref.swiglu_expert(x[i:i + 1], w1[rids[i, j]], w2[rids[i, j]], w3[rids[i, j]], 10.0, rw[i, j:j + 1])[0]
+            for j in range(k)) for i in range(m)])
+    close(got, want)
+
+
+@pytest.mark.parametrize("ours,theirs,block", [(nq.fake_quant_fp8, ref.fake_quant_fp8, 32),
+                                                (nq.fake_quant_fp4_pow2, ref.fake_quant_fp4_pow2, 32),
+                                                (nq.fake_quant_fp4_e4m3, ref.fake_quant_fp4_e4m3, 16)])
+def test_fake_quantizers_bitwise(ours, theirs, block):
+    x = (rng(7).standard_normal((64, 128)) * np.logspace(-4, 3, 128)).astype(np.float32)
+    got = np.asarray(ours(jnp.asarray(x), block))
+    assert np.array_equal(got, theirs(x.astype(np.float64), block).astype(np.float32))
