@@ -42,7 +42,7 @@ def run_chunks(params, cfg, token_map, prompts, chunk, numerics, batch=None):
 
 def _prompts(cfg, n, lengths, seed=0):
     rng = np.random.default_rng(seed)
-    return [list(rng.integers(3, 900, size=l)) for l in lengths[:n]]
+    return [list(rng.integers(3, 800, size=l)) for l in lengths[:n]]
 
 
 # fp32 end to end; the only differences between the paths are summation orders of different shapes
@@ -57,7 +57,7 @@ def test_prefill_equals_decode_exact(tiny_params, tiny_cfg, tiny_token_map):
     dec = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 1, num)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(dec[i, :len(p)], full[i, :len(p)], atol=EXACT_ATOL, rtol=0)
-    assert np.std(full[0, :20]) > 0.1  # the comparison is not between two constant outputs
+    assert np.std(full[0, :20, :800]) > 0.1  # the comparison is not between two constant outputs
 
 
 def test_chunked_prefill_equals_full_exact(tiny_params, tiny_cfg, tiny_token_map):
