@@ -22,7 +22,7 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 
 def e8m0_to_f32(scale_bytes: np.ndarray) -> np.ndarray:
     b = np.asarray(scale_bytes).view(np.uint8).astype(np.int32)
-    out = np.ldexp(np.float32(1.0), b - 127).astype(np.float32)
+    out = np.ldexp(np.float32(1.0), np.minimum(b, 254) - 127).astype(np.float32)
     return np.where(b == 255, np.float32(np.nan), out)
 
 

@@ -23,10 +23,12 @@ def e8m0_to_f32(scale: jax.Array) -> jax.Array:
 def dequant_fp8(w_f8: jax.Array, scale_e8m0: jax.Array) -> jax.Array:
     """[..., out, in] e4m3 with [..., ceil(out/B), ceil(in/B)] E8M0 block scales -> fp32."""
     *_, out_dim, in_dim = w_f8.shape
-    bo = -(-out_dim // scale_e8m0.shape[-2])
-    bi = -(-in_dim // scale_e8m0.shape[-1])
+    # Blocks are square powers of two (32 for V4.1, 128 for V4); the last block may be partial, so the
+    # block is the power of two that covers the dims with this many scales, not out_dim / rows.
+    per_scale = max(-(-out_dim // scale_e8m0.shape[-2]), -(-in_dim // scale_e8m0.shape[-1]))
+    block = 1 << (per_scale - 1).bit_length()
     s = e8m0_to_f32(scale_e8m0)
-    s = jnp.repeat(jnp.repeat(s, bo, axis=-2), bi, axis=-1)[..., :out_dim, :in_dim]
+    s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :out_dim, :in_dim]
     return w_f8.astype(jnp.float32) * s
 
 
