@@ -48,6 +48,8 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
     wdt = jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16
 
     def deq(name):
+        if "scale" not in p_exp[name]:  # unquantized experts (tests, converted checkpoints)
+            return p_exp[name]["weight"][ids_mk].astype(wdt)
         return dequant_fp4(p_exp[name]["weight"][ids_mk], p_exp[name]["scale"][ids_mk]).astype(wdt)
 
     xq = fake_quant_fp8(x_md) if numerics.fake_quant else x_md
@@ -69,11 +71,14 @@ def shared_expert(p: dict, x_md: jax.Array, limit: float, numerics: Numerics) ->
     return quant_linear(hid, p["w2"], numerics, jnp.float32)
 
 
-def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: int | None = None) -> jax.Array:
+def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: int | None = None,
+        experts_impl=None) -> jax.Array:
+    """experts_impl: a replacement for ``routed_experts_gather`` with its signature (e.g. the
+    expert-parallel ``parallel.moe_ep``); None = the single-device gather path."""
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)
     ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
-    routed = routed_experts_gather(p["experts"], x, ids, w, cfg.swiglu_limit, numerics)
+    routed = (experts_impl or routed_experts_gather)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics)
     y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit, numerics)
     for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
         y = y + routed[:, k]

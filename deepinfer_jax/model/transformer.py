@@ -26,33 +26,40 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
-          cache: dict, published: dict, numerics: Numerics):
+          cache: dict, published: dict, numerics: Numerics, parallel=None):
     """One V4.1 block with the delayed-pre mHC: attention collapses with the carried pre, the FFN with
-    the attention site's pre, and the FFN site's pre is carried to the next block."""
+    the attention site's pre, and the FFN site's pre is carried to the next block.
+
+    parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None."""
     plan = cfg.layer_plan(layer_id)
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
     a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg)
     x = rms_norm(mhc.pre_apply(x_bthd, carried_pre, dt), p["attn_norm"]["weight"], eps, dt)
-    attn_out, new_win, sources = attention(p["attn"], cfg, plan, x, pos_bt, cache["window"][layer_id],
-                                           cache["sources"], published, numerics)
+    attend = attention if parallel is None else parallel.attention
+    attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, cache["window"][layer_id],
+                                        cache["sources"], published, numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
     f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg)
     x = rms_norm(mhc.pre_apply(x_bthd, a_pre, dt), p["ffn_norm"]["weight"], eps, dt)
-    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics), x_bthd, f_post, f_comb, dt)
+    experts_impl = None if parallel is None else parallel.routed_experts
+    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl), x_bthd, f_post, f_comb, dt)
     window = tuple(new_win if i == layer_id else w for i, w in enumerate(cache["window"]))
     return x_bthd, f_pre, {"window": window, "sources": sources}
 
 
 def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
                    engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None,
-                   return_layer_states: bool = False):
-    """-> (h_btd after the final norm, new cache[, per-layer 4-stream states [L] of [B,T,hc,D]])."""
+                   return_layer_states: bool = False, parallel=None):
+    """-> (h_btd after the final norm, new cache[, per-layer 4-stream states [L] of [B,T,hc,D]]).
+
+    parallel: a ``parallel.ParallelContext`` to run over its mesh (None: single device)."""
+    edge = (lambda a: a) if parallel is None else parallel.constrain_stream
     dt = numerics.dtype
     b, t = tokens_bt.shape
     hc = cfg.hc_mult
     e = params["embed"]["weight"][tokens_bt].astype(dt)
-    x_bthd = jnp.broadcast_to(e[:, :, None, :], (b, t, hc, e.shape[-1]))
+    x_bthd = edge(jnp.broadcast_to(e[:, :, None, :], (b, t, hc, e.shape[-1])))
     pre = jnp.broadcast_to(jax.nn.one_hot(0, hc, dtype=jnp.float32), (b, t, hc))
     last_source = max(cfg.kv_source_layer_ids, default=-1)
     upper_pos = positions_bt if replay_mask_bt is None else jnp.where(replay_mask_bt, positions_bt, -1)
@@ -61,14 +68,15 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
     for layer_id in range(cfg.num_hidden_layers):
         if layer_id in cfg.engram_layer_ids:
             rows = engram_rows_btnc[:, :, cfg.engram_layer_ids.index(layer_id)]
-            x_bthd = engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
-                                   numerics=numerics)
+            x_bthd = edge(engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
+                                        numerics=numerics))
         pos = positions_bt if layer_id <= last_source else upper_pos
         x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
-                                   numerics)
+                                   numerics, parallel)
+        x_bthd = edge(x_bthd)
         if return_layer_states:
             states.append(x_bthd)
-    h = rms_norm(mhc.pre_apply(x_bthd, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt)
+    h = edge(rms_norm(mhc.pre_apply(x_bthd, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt))
     if return_layer_states:
         return h, cache, states
     return h, cache
@@ -81,8 +89,9 @@ def lm_head(params: dict, h_btd: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
-            engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None):
-    """-> (logits_btv fp32, new cache)."""
+            engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None,
+            *, parallel=None):
+    """-> (logits_btv fp32, new cache). parallel: see ``forward_hidden``."""
     h, cache = forward_hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics,
-                              replay_mask_bt)
+                              replay_mask_bt, parallel=parallel)
     return lm_head(params, h), cache

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run the engine's determinism / batch-invariance tests and the model consistency tests on a GPU
+# (the XLA path of JAX's CUDA backend), on the tiny checkpoint. Used through the device tool:
+#   bash benchmarks/gpu_invariance.sh          (on the GPU machine, from the repo root)
+set -euo pipefail
+# XLA's default "excess precision" keeps some bf16 intermediates in fp32 depending on fusion decisions;
+# turning it off makes bf16 rounding follow the program (needed for the bitwise cache-format test).
+export XLA_FLAGS="--xla_allow_excess_precision=false ${XLA_FLAGS:-}"
+export JAX_PLATFORMS=cuda PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c 'import jax; print(jax.__version__, jax.devices())'
+python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_model_consistency.py tests/test_kv_cache.py \
+    tests/test_model_vs_numpy.py "$@"
