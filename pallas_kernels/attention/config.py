@@ -1,0 +1,59 @@
+"""Static configuration of the Mosaic GPU sparse sink-attention kernel, and its shape limits.
+
+The kernel's numerics depend on ``split_rows`` (where the selected entries are cut into independently
+reduced splits) and on nothing else: not on the batch, not on the other queries. Pick one config per
+deployment and keep it for every step shape, and a query's output is bitwise the same in any batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Rows of kv one pipeline step holds (two warpgroups take 32 each). The wgmma K dimension of p.kv is
+#: this many rows, so it is fixed by the kernel's structure, not tunable.
+BLOCK_ROWS = 64
+#: Query heads per CTA: the wgmma M dimension. Fewer heads are zero-padded; more run as groups of 64.
+HEAD_GROUP = 64
+#: Hopper's shared memory per block (the limit Mosaic reports), minus a margin for barriers and the
+#: compiler's reduction scratch.
+SMEM_LIMIT_BYTES = 232448 - 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionConfig:
+    """split_rows: selected entries reduced by one CTA; more entries go to more CTAs whose partial
+    softmax states are merged in a fixed order. One split (split_rows >= K) writes the output straight
+    from the kernel; several splits add a float32 round trip of the partial outputs through HBM but
+    give the GPU more CTAs when the batch is small."""
+
+    split_rows: int = 640
+
+    def __post_init__(self):
+        if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
+            raise ValueError(f"SparseAttentionConfig.split_rows={self.split_rows} must be a positive multiple of "
+                             f"{BLOCK_ROWS}")
+
+    def num_splits(self, k: int) -> int:
+        return -(-k // self.split_rows)
+
+
+def smem_bytes(head_dim: int, split_rows: int) -> int:
+    """Shared memory the kernel allocates for one CTA (see kernel.py for the buffers)."""
+    bf16 = 2
+    q = HEAD_GROUP * head_dim * bf16
+    stage = BLOCK_ROWS * head_dim * bf16           # two 32-row TMA landing slots
+    tiled = BLOCK_ROWS * head_dim * bf16           # the block in wgmma layout
+    probs = HEAD_GROUP * BLOCK_ROWS * bf16
+    exchange = 2 * HEAD_GROUP * 4
+    idx = split_rows * 4
+    return q + stage + tiled + probs + exchange + idx
+
+
+def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAttentionConfig) -> str | None:
+    """None if the kernel runs this shape, else why not (the caller then uses the XLA path)."""
+    del num_heads  # any head count runs (padded / grouped to 64)
+    if head_dim % 128 or head_dim < 128:
+        return f"head_dim={head_dim} must be a multiple of 128 (each warpgroup owns head_dim/2 output columns)"
+    if (need := smem_bytes(head_dim, config.split_rows)) > SMEM_LIMIT_BYTES:
+        return f"head_dim={head_dim}, split_rows={config.split_rows} need {need} B of shared memory"
+    return None

@@ -1,0 +1,25 @@
+"""Indexer top-k with the V4.1 selection semantics.
+
+``topk_indices(scores_btS f32 [B, T, S], k) -> idx_btk int32 [B, T, k]``:
+
+* the k largest scores of each row; equal scores (+0.0 and -0.0 are equal) go to the lower index;
+* the picked indices are returned re-sorted into ascending index order;
+* a pick whose score is -inf (unreachable; NaN counts as -inf) becomes -1, and -1s come last;
+* k > S pads with -1;
+* subnormal scores count as zero (XLA flushes them on CPU and GPU).
+
+The result is an exact function of the row, so any correct implementation is batch-invariant.
+No GPU kernel: ``lax.top_k`` keeps the tie rule on the GPU (checked by ``benchmarks/attention_gpu.py``).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.topk.reference import topk_indices_reference
+from pallas_kernels.topk.xla import topk_indices_xla
+
+__all__ = ["topk_indices", "topk_indices_reference", "topk_indices_xla"]
+
+
+def topk_indices(scores_bts, k: int):
+    """The op (see module docstring)."""
+    return topk_indices_xla(scores_bts, k)

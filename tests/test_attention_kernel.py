@@ -1,0 +1,188 @@
+"""sparse_sink_attention: reference vs a float64 numpy oracle, the XLA path and the Mosaic GPU kernel
+(run on the CPU by the Mosaic GPU interpreter) vs the reference, bitwise batch invariance of the XLA
+path and of the kernel, sinks, -1 entries, duplicates and the all-invalid row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention import (SparseAttentionConfig, kernel_unsupported_reason,
+                                      sparse_sink_attention_reference, sparse_sink_attention_xla)
+from pallas_kernels.attention.config import smem_bytes
+
+
+def _oracle(q, kv, idx, sink, scale):
+    """float64 numpy, one query at a time, straight from the definition."""
+    q = np.asarray(q, np.float64)
+    kv = np.asarray(kv, np.float64)
+    idx = np.asarray(idx)
+    sink = np.asarray(sink, np.float64)
+    b, t, h, d = q.shape
+    out = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for ti in range(t):
+            rows = kv[bi, idx[bi, ti][idx[bi, ti] >= 0]]          # duplicates stay
+            z = q[bi, ti] @ rows.T * scale                         # [H, k]
+            m = np.maximum(z.max(axis=1), sink) if rows.shape[0] else sink
+            e = np.exp(z - m[:, None])
+            out[bi, ti] = e @ rows / (e.sum(axis=1) + np.exp(sink - m))[:, None]
+    return out
+
+
+def _inputs(rng, b, t, h, d, s, k, *, invalid_frac=0.2):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    idx = rng.integers(0, s, (b, t, k)).astype(np.int32)
+    idx[rng.random((b, t, k)) < invalid_frac] = -1
+    sink = jnp.asarray(rng.standard_normal(h) * 2, jnp.float32)
+    return q, kv, idx, sink
+
+
+def _bits(x):
+    return np.asarray(x).view(np.uint16 if x.dtype == jnp.bfloat16 else np.uint32)
+
+
+# The XLA path and the kernel round p to bf16 for the p.kv product and round the output to bf16:
+# each is a relative error of at most 2^-9, and |o| <= max|kv| (a convex combination shrunk by the
+# sink), so 4 bf16 half-ulps of max|kv| bound them; the float32 reference is far tighter than that.
+def _fast_tol(kv):
+    return 4 * 2.0 ** -9 * float(jnp.max(jnp.abs(kv.astype(jnp.float32))))
+
+
+def test_reference_matches_float64_oracle_with_sinks_duplicates_and_skips():
+    rng = np.random.default_rng(0)
+    q, kv, idx, sink = _inputs(rng, 2, 3, 4, 64, 37, 20)
+    idx[0, 1, :] = -1                     # no valid entry -> 0
+    idx[1, 2, :6] = idx[1, 2, 6]          # one entry listed 7 times
+    got = sparse_sink_attention_reference(q, kv, jnp.asarray(idx), sink, 64 ** -0.5)
+    want = _oracle(q, kv, idx, sink, 64 ** -0.5)
+    # float32 HIGHEST einsums over D=64 and K=20: ~1e-6 relative; 1e-5 leaves room and still catches a
+    # missing sink (changes the output by >1e-2) or a dropped duplicate.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got[0, 1]) == 0)
+
+
+def test_sink_only_enlarges_the_denominator():
+    rng = np.random.default_rng(1)
+    q, kv, idx, sink = _inputs(rng, 1, 1, 4, 64, 16, 8, invalid_frac=0.0)
+    lo = sparse_sink_attention_reference(q, kv, jnp.asarray(idx), jnp.full((4,), -1e4), 0.125)
+    hi = sparse_sink_attention_reference(q, kv, jnp.asarray(idx), jnp.full((4,), 1e4), 0.125)
+    plain = _oracle(q, kv, idx, np.full((4,), -np.inf), 0.125)   # ordinary softmax attention
+    np.testing.assert_allclose(np.asarray(lo), plain, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(hi) == 0)   # e^(z - 1e4) underflows: all weight on the sink
+
+
+def test_xla_matches_reference():
+    rng = np.random.default_rng(2)
+    q, kv, idx, sink = _inputs(rng, 2, 3, 4, 64, 50, 40)
+    idx[1, 0, :] = -1
+    got = sparse_sink_attention_xla(q, kv, jnp.asarray(idx), sink, 64 ** -0.5)
+    assert got.dtype == jnp.bfloat16
+    want = sparse_sink_attention_reference(q, kv, jnp.asarray(idx), sink, 64 ** -0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=_fast_tol(kv), rtol=0)
+    assert np.all(np.asarray(got[1, 0], np.float32) == 0)
+
+
+def test_skipped_entries_equal_removed_entries():
+    rng = np.random.default_rng(3)
+    q, kv, idx, sink = _inputs(rng, 1, 1, 4, 64, 30, 24, invalid_frac=0.5)
+    compact = idx[0, 0][idx[0, 0] >= 0][None, None]
+    a = sparse_sink_attention_reference(q, kv, jnp.asarray(idx), sink, 0.125)
+    c = sparse_sink_attention_reference(q, kv, jnp.asarray(compact), sink, 0.125)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_xla_path_is_bitwise_batch_invariant(batch):
+    """The probe query's output is the same bits alone, at any slot, among any neighbours."""
+    rng = np.random.default_rng(4)
+    h, d, s, k, t = 4, 64, 40, 24, 2
+    probe_q, probe_kv, probe_idx, sink = _inputs(rng, 1, t, h, d, s, k)
+    alone = sparse_sink_attention_xla(probe_q, probe_kv, jnp.asarray(probe_idx), sink, 0.125)
+    for slot in sorted({0, batch - 1, batch // 2}):
+        q, kv, idx, _ = _inputs(rng, batch, t, h, d, s, k)
+        q = q.at[slot].set(probe_q[0])
+        kv = kv.at[slot].set(probe_kv[0])
+        idx[slot] = probe_idx[0]
+        got = sparse_sink_attention_xla(q, kv, jnp.asarray(idx), sink, 0.125)
+        assert np.array_equal(_bits(got[slot]), _bits(alone[0])), f"batch {batch}, slot {slot}"
+
+
+def test_config_validation_and_shape_limits():
+    with pytest.raises(ValueError, match="split_rows"):
+        SparseAttentionConfig(split_rows=100)
+    cfg = SparseAttentionConfig(split_rows=640)
+    assert cfg.num_splits(640) == 1 and cfg.num_splits(641) == 2
+    assert kernel_unsupported_reason(64, 512, cfg) is None
+    assert "multiple of 128" in kernel_unsupported_reason(4, 64, cfg)
+    # V4.1 decode fits in shared memory with room for the barriers.
+    assert smem_bytes(512, 640) < 227 * 1024
+
+
+# ---- the Mosaic GPU kernel, run by the Mosaic GPU interpreter on the CPU -------------------------
+
+def _interpret():
+    """Context that makes plgpu kernels run in the GPU interpreter (with its race detector)."""
+    import contextlib
+
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                                               platform="gpu", num_cores=8))
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)))
+    return stack
+
+
+def _races_found():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("split_rows", [128, 64])   # one split (sink in the kernel) / two splits + merge
+def test_kernel_in_gpu_interpreter_matches_reference(split_rows):
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+
+    rng = np.random.default_rng(5)
+    b, t, h, d, s, k = 2, 2, 4, 128, 90, 100     # 4 heads run padded to 64; K=100 pads to the split
+    q, kv, idx, sink = _inputs(rng, b, t, h, d, s, k)
+    idx[0, 1, :] = -1                              # no valid entry -> 0
+    idx[1, 0, :64] = -1                            # a whole 64-row block of skips
+    idx[1, 1, :10] = idx[1, 1, 10]                 # duplicates
+    cfg = SparseAttentionConfig(split_rows=split_rows)
+    with _interpret():
+        got = jax.block_until_ready(sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, d ** -0.5, cfg))
+    assert not _races_found()
+    assert got.shape == (b, t, h, d) and got.dtype == jnp.bfloat16
+    want = _oracle(q, kv, idx, sink, d ** -0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=_fast_tol(kv), rtol=0)
+    assert np.all(np.asarray(got[0, 1], np.float32) == 0)
+    xla = sparse_sink_attention_xla(q, kv, jnp.asarray(idx), sink, d ** -0.5)
+    # Same roundings as the XLA path, different summation order: a couple of output ulps apart.
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32),
+                               atol=_fast_tol(kv) / 2, rtol=0)
+
+
+def test_kernel_in_gpu_interpreter_is_batch_invariant():
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+
+    rng = np.random.default_rng(6)
+    h, d, s, k = 4, 128, 70, 64
+    probe = _inputs(rng, 1, 1, h, d, s, k)
+    q, kv, idx, sink = _inputs(rng, 3, 1, h, d, s, k)
+    q = q.at[2].set(probe[0][0])
+    kv = kv.at[2].set(probe[1][0])
+    idx[2] = probe[2][0]
+    cfg = SparseAttentionConfig(split_rows=64)
+    with _interpret():
+        alone = sparse_sink_attention_pallas(probe[0], probe[1], jnp.asarray(probe[2]), sink, 0.1, cfg)
+        among = sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, 0.1, cfg)
+    assert np.array_equal(_bits(among[2]), _bits(alone[0]))
