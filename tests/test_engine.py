@@ -131,7 +131,7 @@ def test_context_full_and_errors(llm, tiny_ckpt):
     assert o.finish_reason == "length" and len(p) + len(o.token_ids) == ENGINE["max_len"]
     with pytest.raises(ValueError, match="prompt has 48 tokens, the context holds 48"):
         llm.generate([list(range(3, 51))])
-    with pytest.raises(ValueError, match=r"SamplingParams.top_p must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p must be in \(0"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match=r"unknown sampling field\(s\) \['temprature'\]"):
         SamplingParams.from_dict({"temprature": 1.0})
