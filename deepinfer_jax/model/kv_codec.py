@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.numerics import FP4_MAX, FP8_MAX, _pow2_ceil
+from deepinfer_jax.model.numerics import FP4_MAX, FP8_MAX, fp4_e4m3_scale, fp4_pow2_scale, fp8_scale
 
 _E2M1 = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
 
@@ -53,14 +53,14 @@ def encode(kind: str, x: jax.Array, quantized: bool, act_dtype) -> dict:
     xb = x.astype(jnp.float32).reshape(*lead, dim // block, block)
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
     if _VALUE_KIND[kind] == "fp8":
-        s = _pow2_ceil(jnp.maximum(amax, 1e-4) * (1.0 / FP8_MAX))
+        s = fp8_scale(amax)
         q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).reshape(*lead, dim)
         return {"values": q, "scale": s[..., 0].astype(jnp.float8_e8m0fnu)}
     if skind == "e8m0":
-        s = _pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+        s = fp4_pow2_scale(amax)
         s_stored = s.astype(jnp.float8_e8m0fnu)
     else:
-        s_stored = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+        s_stored = fp4_e4m3_scale(amax)
         s = s_stored.astype(jnp.float32)
     q = jnp.clip(xb / s, -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
     codes = _fp4_codes(q).reshape(*lead, dim // 2, 2)

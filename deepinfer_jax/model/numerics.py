@@ -56,6 +56,21 @@ def _pow2_ceil(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(exp << 23, jnp.float32)
 
 
+def fp8_scale(amax: jax.Array) -> jax.Array:
+    """Power-of-two FP8 scale 2^ceil(log2(amax / 448)), amax floored at 1e-4 (the reference's rule)."""
+    return _pow2_ceil(jnp.maximum(amax, 1e-4) * (1.0 / FP8_MAX))
+
+
+def fp4_pow2_scale(amax: jax.Array) -> jax.Array:
+    """Power-of-two (E8M0) FP4 scale 2^ceil(log2(amax / 6)), amax floored at 6 * 2^-126."""
+    return _pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+
+
+def fp4_e4m3_scale(amax: jax.Array) -> jax.Array:
+    """Ordinary E4M3 FP4 scale e4m3(max(amax, 6 * 2^-9) / 6), returned as float8_e4m3fn."""
+    return (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     *lead, k = x.shape
     if k % block:
@@ -66,8 +81,7 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """FP8-E4M3 with one power-of-two scale per ``block`` values along the last axis (amax floored at 1e-4)."""
     xb = _blocks(x.astype(jnp.float32), block)
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
-    s = _pow2_ceil(amax * (1.0 / FP8_MAX))
+    s = fp8_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True))
     q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     return (q * s).reshape(x.shape).astype(x.dtype)
 
@@ -80,8 +94,7 @@ def _round_e2m1(y: jax.Array) -> jax.Array:
 def fake_quant_fp4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
     """FP4-E2M1 with a power-of-two (E8M0) scale per ``block`` values (index K and Q)."""
     xb = _blocks(x.astype(jnp.float32), block)
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
-    s = _pow2_ceil(amax * (1.0 / FP4_MAX))
+    s = fp4_pow2_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True))
     q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
 
@@ -89,7 +102,6 @@ def fake_quant_fp4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
 def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     """FP4-E2M1 with an ordinary E4M3 scale per ``block`` values (compressed main KV)."""
     xb = _blocks(x.astype(jnp.float32), block)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    s = (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    s = fp4_e4m3_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True)).astype(jnp.float32)
     q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
