@@ -1,17 +1,28 @@
 """Continuous batching over a fixed number of slots with two fixed step shapes.
 
-* prefill step [slots, chunk]: every slot still in its prompt feeds its next ``chunk`` prompt tokens
-  (chunks are cut from position 0, so a request's chunking depends on the request alone); other
-  slots are padding (position -1) and their caches are untouched;
-* decode step [slots, 1]: every generating slot feeds its last token.
-The sampler runs inside the jitted step. Because every step has one of two shapes, nothing recompiles
-after warm-up, and because every op is row-local a request's tokens and logprobs are bitwise the same
-whatever the other slots hold (tests/test_invariance.py).
+* prefill step [slots, chunk]: every slot still in its prompt feeds its next ``chunk`` prompt tokens;
+  chunks are cut from position 0, so where a request's chunks start depends on the request alone;
+  slots that are generating sit the step out (position -1), so a decode token is always computed by the
+  decode program and a prompt chunk always by the prefill program, whatever the neighbours do;
+* decode step [slots, 1]: every generating slot feeds its last sampled token.
 
-The host reads each step's sampled tokens before preparing the next step: the Engram n-gram hash of
-the new token is int64 host arithmetic (``model.engram_hash``), so the next step's inputs need it.
-While the device runs step N the host has nothing else to prepare; JAX's async dispatch overlaps the
-rest (argument transfer, output bookkeeping).
+The sampler runs inside the step, and the sampled token stays on the device: the step writes it into the
+slot's ``next_token`` and the Engram history, and the next decode step reads it from there (Engram rows
+are hashed in-graph, ``engram_device``). So the host launches step N+1 before it reads step N's results
+(JAX async dispatch): the loop is launch(N+1), then read(N), and the only host sync is that read of
+finished tokens. A request that stops on EOS or a stop string at step N therefore has one wasted row
+in step N+1, which is discarded; limits known in advance (max_tokens, the context) free the slot at
+launch time.
+
+Every step has one of two shapes (plus one program for prompt logprobs), so nothing recompiles after
+warm-up; every op is row-local, so a request's tokens and logprobs are bitwise the same whatever the
+other slots hold (tests/test_invariance.py). An admitted slot gets its window ring emptied in the
+prefill step (model/cache.py ``reset_slots``): with bounded replay the upper layers' ring would otherwise
+show the previous occupant's rows to the new request.
+
+SWA bounded replay (spec §7, decoder side; default on, an approximation): in prefill, layers above the
+last KV-source layer run only on each request's last ``sliding_window`` prompt tokens. Requests that ask
+for prompt logprobs get a full prefill (every position needs its real hidden state).
 """
 
 from __future__ import annotations
@@ -19,232 +30,401 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine.sampling import (PARAM_DTYPES, SamplingParams, params_row, request_seed,
-                                           row_keys, sample, seed_words)
+from deepinfer_jax.engine import sampling
+from deepinfer_jax.engine.engram_device import advance_history, engram_rows_device, engram_tables
+from deepinfer_jax.engine.sampling import (SamplingParams, empty_rows, request_seed, row_keys, seed_words,
+                                           set_row)
 from deepinfer_jax.engine.tokenizer import IncrementalDecoder, Tokenizer
-from deepinfer_jax.model.cache import init_cache
-from deepinfer_jax.model.engram_hash import engram_rows
+from deepinfer_jax.model.cache import init_cache, reset_slots
 from deepinfer_jax.model.numerics import Numerics
 from deepinfer_jax.model.transformer import forward_hidden, lm_head
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    """The model as the engine sees it (tests substitute a toy model with the same signatures).
+
+    hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, replay_mask_bt)
+        -> (h_btd, new_cache);  head(params, h_btd) -> fp32 logits_btv;
+    init_cache(cfg, batch, max_len, numerics) -> cache pytree (every leaf has the slot dim first);
+    reset_slots(cache, reset_b) -> the cache with those slots emptied for a new occupant."""
+
+    hidden: Callable
+    head: Callable
+    init_cache: Callable
+    reset_slots: Callable
+
+
+REAL_MODEL = ModelFns(forward_hidden, lm_head, init_cache, reset_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_slots: int = 8
+    max_len: int = 256  # tokens per slot: prompt + output
+    chunk_size: int = 16
+    bounded_replay: bool = True  # DeepInfer's default (spec §7): an approximation, see the module doc
+    engine_seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_slots", "max_len", "chunk_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.chunk_size > self.max_len:
+            raise ValueError(f"chunk_size {self.chunk_size} exceeds max_len {self.max_len}")
+        if isinstance(self.engine_seed, bool) or not isinstance(self.engine_seed, int) \
+                or not 0 <= self.engine_seed < 2**32:
+            raise ValueError(f"engine_seed must be an integer in [0, 2^32), got {self.engine_seed!r}")
+
+
+@dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
-    # filled while running
+    # results, filled as the request runs
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    prefilled: int = 0
+    # host bookkeeping: prompt tokens launched, samples launched (ahead of what has been read back)
+    fed: int = 0
+    launched: int = 0
+    decoder: IncrementalDecoder | None = None
+    seed_words: np.ndarray | None = None  # the sampling seed as two uint32 words
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_slots: int = 8
-    max_len: int = 256
-    chunk_size: int = 16
-    bounded_replay: bool = True  # DeepInfer's default (spec §7): an approximation, see README
-    engine_seed: int = 0
+@dataclasses.dataclass(eq=False)
+class _Row:
+    slot: int
+    request: Request
+    sampled: bool  # this row's sample is one of the request's tokens
+    prompt_span: tuple[int, int] | None = None  # (start, n) of prompt positions whose logprobs come back
 
 
-def _step(params, cfg: ModelConfig, numerics: Numerics, decode: bool, want_prompt_lp: bool, state, inp,
-          valid_v, engine_key):
-    cache, counts, seen = state
-    rows = jnp.arange(counts.shape[0])
+@dataclasses.dataclass(eq=False)
+class _Launched:
+    out: dict  # device arrays, not yet read
+    rows: list[_Row]
+    prompt_lp: jax.Array | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The jitted steps (pure functions of params, state, inputs and constants).
+
+def _sample_into_state(state, logits_bv, inp, consts, sampler, keys_fn):
+    keys = keys_fn(consts["engine_key"], inp["seeds"], inp["sample_positions"])
+    res = sampler(logits_bv, consts["valid_v"], state["counts"], state["seen"], inp["sampling"], keys)
+    take = inp["take_sample"]
+    slots = jnp.arange(take.shape[0])
+    vocab = state["counts"].shape[1]
+    tok = jnp.where(take, res["token"], vocab)  # out of range: dropped
+    state = dict(state, counts=state["counts"].at[slots, tok].add(1, mode="drop"),
+                 seen=state["seen"].at[slots, tok].set(True, mode="drop"),
+                 next_token=jnp.where(take, res["token"], state["next_token"]))
+    return state, res
+
+
+def _engram_rows(cfg, consts, hist, comp_bt, pad_id, max_prime):
+    b, t = comp_bt.shape
+    if not cfg.engram_layer_ids:
+        return jnp.zeros((b, t, 0, 0), jnp.int32)
+    return engram_rows_device(consts["engram"], hist, comp_bt, pad_id, max_prime)
+
+
+def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
     admit = inp["admit"]
-    counts = jnp.where(admit[:, None], 0, counts)
-    seen = jnp.where(admit[:, None], False, seen)
+    # Admitted slots are emptied first (model.reset_slots says why it is needed, not just hygiene).
+    state = dict(state, cache=model.reset_slots(state["cache"], admit),
+                 counts=jnp.where(admit[:, None], 0, state["counts"]),
+                 seen=jnp.where(admit[:, None], False, state["seen"]),
+                 hist=jnp.where(admit[:, None], -1, state["hist"]))
     tok, pos = inp["tokens"], inp["positions"]
-    in_valid = pos >= 0
-    seen = seen.at[rows[:, None], jnp.where(in_valid, tok, counts.shape[1])].set(True, mode="drop")
-    if decode:  # decode inputs are the tokens generated last step
-        counts = counts.at[rows, jnp.where(in_valid[:, 0], tok[:, 0], counts.shape[1])].add(1, mode="drop")
-    h, cache = forward_hidden(params, cfg, cache, tok, pos, inp["engram_rows"], numerics,
-                              None if decode else inp["replay_mask"])
-    last = inp["last_index"]
-    h_last = h[rows, last][:, None]
-    logits = lm_head(params, h_last)[:, 0]
-    keys = row_keys(engine_key, inp["seeds"], inp["sample_positions"])
-    token, lp, top_ids, top_lp = sample(logits, valid_v, counts, seen, inp["sampling"], keys)
-    out = {"token": token, "logprob": lp, "top_ids": top_ids, "top_logprobs": top_lp}
-    if want_prompt_lp:
-        all_logp = jax.nn.log_softmax(jnp.where(valid_v, lm_head(params, h), -jnp.inf), axis=-1)
-        nxt = inp["prompt_next"]
-        out["prompt_logprobs"] = jnp.take_along_axis(all_logp, jnp.maximum(nxt, 0)[..., None], axis=-1)[..., 0]
-    return (cache, counts, seen), out
+    live = pos >= 0
+    slots = jnp.arange(tok.shape[0])
+    vocab = state["seen"].shape[1]
+    comp = jnp.where(live, consts["token_map"][tok], -1)
+    rows = _engram_rows(cfg, consts, state["hist"], comp, pad_id, max_prime)
+    state = dict(state, hist=advance_history(state["hist"], comp),
+                 seen=state["seen"].at[slots[:, None], jnp.where(live, tok, vocab)].set(True, mode="drop"))
+    h, cache = model.hidden(params, cfg, state["cache"], tok, pos, rows, numerics, inp["replay_mask"])
+    state["cache"] = cache
+    h_last = h[slots, inp["last_index"]][:, None]
+    state, res = _sample_into_state(state, model.head(params, h_last)[:, 0], inp, consts, sampler, keys_fn)
+    return state, dict(res, hidden=h)
 
+
+def _decode_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+    pos = inp["positions"]  # [S, 1]
+    live = pos >= 0
+    tok = jnp.where(live, state["next_token"][:, None], 0)
+    comp = jnp.where(live, consts["token_map"][tok], -1)
+    rows = _engram_rows(cfg, consts, state["hist"], comp, pad_id, max_prime)
+    state = dict(state, hist=advance_history(state["hist"], comp))
+    h, cache = model.hidden(params, cfg, state["cache"], tok, pos, rows, numerics, None)
+    state["cache"] = cache
+    return _sample_into_state(state, model.head(params, h)[:, 0], inp, consts, sampler, keys_fn)
+
+
+def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
+    """f32[B, T]: log p(next token) at each prefill position; one row at a time (a [T, V] head each)."""
+
+    def row(args):
+        h_td, nxt_t = args
+        logp = jax.nn.log_softmax(jnp.where(valid_v, model.head(params, h_td[None])[0], -jnp.inf), axis=-1)
+        return jnp.take_along_axis(logp, jnp.maximum(nxt_t, 0)[:, None], axis=1)[:, 0]
+
+    return jax.lax.map(row, (h_btd, next_bt))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_steps(cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+    """The jitted (prefill, decode, prompt-logprobs) programs, shared by every scheduler with the same
+    statics, so a second engine on the same model (another test, another LLM) compiles nothing."""
+    statics = dict(cfg=cfg, numerics=numerics, model=model, sampler=sampler, keys_fn=keys_fn, pad_id=pad_id,
+                   max_prime=max_prime)
+    prefill = jax.jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
+    decode = jax.jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
+    return prefill, decode, jax.jit(functools.partial(_prompt_logprobs, model=model))
+
+
+# ---------------------------------------------------------------------------------------------------
 
 class Scheduler:
+    """Owns the slots' device state and runs lists of requests to completion."""
+
     def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer, token_map: np.ndarray, numerics: Numerics,
-                 config: EngineConfig):
+                 config: EngineConfig, *, model: ModelFns = REAL_MODEL, sampler: Callable | None = None,
+                 keys_fn: Callable | None = None):
+        """model / sampler (``sampling.sample``'s signature) / keys_fn (``sampling.row_keys``'s): substitutes
+        for tests and experiments; the defaults are the real model and the invariant sampler."""
         self.params, self.cfg, self.tok, self.numerics, self.ec = params, cfg, tokenizer, numerics, config
-        self.token_map = np.asarray(token_map, np.int64)
-        self.pad_comp = int(self.token_map[cfg.engram_pad_token_id])
-        self.valid_v = jnp.asarray(tokenizer.valid_token_mask(cfg.vocab_size))
-        self.engine_key = jax.random.key(config.engine_seed, impl="threefry2x32")
-        s = config.max_slots
-        self.state = (init_cache(cfg, s, config.max_len, numerics),
-                      jnp.zeros((s, cfg.vocab_size), jnp.int32), jnp.zeros((s, cfg.vocab_size), bool))
-        self.steps = {}
-        for decode in (False, True):
-            for plp in (False, True):
-                self.steps[(decode, plp)] = jax.jit(
-                    functools.partial(_step, cfg=cfg, numerics=numerics, decode=decode, want_prompt_lp=plp),
-                    donate_argnames=("state",))
+        token_map = np.asarray(token_map)
+        if token_map.shape != (cfg.vocab_size,):
+            raise ValueError(f"token map has shape {token_map.shape}, expected ({cfg.vocab_size},)")
+        n_keys = int(token_map.max()) + 1
+        self.consts = {"valid_v": jnp.asarray(tokenizer.valid_token_mask(cfg.vocab_size)),
+                       "token_map": jnp.asarray(token_map, jnp.int32),
+                       "engine_key": jax.random.key(config.engine_seed, impl="threefry2x32")}
+        pad_id = max_prime = 0  # Python ints, static in the trace
+        if cfg.engram_layer_ids:
+            tables = engram_tables(cfg, n_keys)
+            self.consts["engram"] = {k: jnp.asarray(v) for k, v in tables.items()}
+            pad_id, max_prime = int(token_map[cfg.engram_pad_token_id]), int(tables["primes"].max())
+        self._model = model
+        self.state = self._init_state()
+        self._prefill, self._decode, self._plp = _compiled_steps(
+            cfg, numerics, model, sampler or sampling.sample, keys_fn or row_keys, pad_id, max_prime)
+
+    def _init_state(self) -> dict:
+        s, v = self.ec.max_slots, self.cfg.vocab_size
+        return {"cache": self._model.init_cache(self.cfg, s, self.ec.max_len, self.numerics),
+                "counts": jnp.zeros((s, v), jnp.int32), "seen": jnp.zeros((s, v), bool),
+                "next_token": jnp.zeros((s,), jnp.int32),
+                "hist": jnp.full((s, max(self.cfg.engram_max_ngram_size - 1, 0)), -1, jnp.int32)}
+
+    def compile_count(self) -> int:
+        """Programs compiled so far for this scheduler's step functions (shared with any other scheduler
+        on the same model and statics); fixed after warm-up."""
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._plp))
 
     # ------------------------------------------------------------------------------------------------
-    def compile_count(self) -> int:
-        return sum(f._cache_size() for f in self.steps.values())
+    def validate(self, req: Request) -> None:
+        """Raise ValueError naming the request if it cannot run on this engine."""
+        n, cap, vocab = len(req.prompt_ids), self.ec.max_len, self.cfg.vocab_size
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: empty prompt")
+        if n >= cap:
+            raise ValueError(f"request {req.request_id!r}: prompt has {n} tokens, the context holds {cap} "
+                             f"(max_len, prompt + output): prompts of at most {cap - 1} tokens fit")
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {req.request_id!r}: prompt token ids {bad[:5]} outside [0, {vocab})")
+        bad = [t for t in req.params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"request {req.request_id!r}: stop_token_ids {bad[:5]} outside [0, {vocab})")
 
-    def _engram(self, req: Request, start: int, n: int) -> np.ndarray:
-        ids = (req.prompt_ids + req.generated)[: start + n]
-        comp = self.token_map[np.asarray(ids, np.int64)]
-        hist = comp[max(0, start - (self.cfg.engram_max_ngram_size - 1)):start]
-        return engram_rows(self.cfg, comp[start:start + n], hist, self.pad_comp)
+    def _budget(self, req: Request) -> int:
+        """Tokens the request may generate: max_tokens, capped by the context."""
+        return min(req.params.max_tokens, self.ec.max_len - len(req.prompt_ids))
 
-    def _inputs(self, slots: list[Request | None], decode: bool, admitted: set[int]) -> tuple[dict, list]:
-        cfg, s = self.cfg, self.ec.max_slots
-        t = 1 if decode else self.ec.chunk_size
-        ne, nc = len(cfg.engram_layer_ids), cfg.engram_columns
-        tokens = np.zeros((s, t), np.int32)
-        pos = np.full((s, t), -1, np.int32)
-        rows = np.zeros((s, t, ne, nc), np.int32)
-        replay = np.zeros((s, t), bool)
-        last = np.zeros(s, np.int32)
-        prompt_next = np.full((s, t), -1, np.int32)
-        seeds = np.zeros((s, 2), np.uint32)
-        sample_pos = np.zeros(s, np.int32)
-        sampling = {k: np.zeros(s, dt) for k, dt in PARAM_DTYPES.items()}
-        sampling["top_p"][:] = 1.0
-        sampling["repetition_penalty"][:] = 1.0
-        samples: list[tuple[int, Request]] = []  # (slot, request) rows whose sample is used
+    # ------------------------------------------------------------------------------------------------
+    def _common_inputs(self, t: int) -> dict:
+        s = self.ec.max_slots
+        return {"positions": np.full((s, t), -1, np.int32), "take_sample": np.zeros(s, bool),
+                "seeds": np.zeros((s, 2), np.uint32), "sample_positions": np.zeros(s, np.int32),
+                "sampling": empty_rows(s)}
+
+    def _set_sampling(self, inp: dict, b: int, req: Request, position: int) -> None:
+        inp["seeds"][b] = req.seed_words
+        inp["sample_positions"][b] = position
+        set_row(inp["sampling"], b, req.params)
+
+    def _replay_from(self, req: Request, slot: int) -> int:
+        """The first prompt position the layers above the last KV source run on: the last
+        ``sliding_window`` prompt tokens with bounded replay, else 0. A function of the request alone,
+        never of its slot or neighbours (that is what keeps bounded replay batch-invariant)."""
+        if not self.ec.bounded_replay or req.params.prompt_logprobs:
+            return 0
+        return max(0, len(req.prompt_ids) - self.cfg.sliding_window)
+
+    def _launch_prefill(self, slots: list[Request | None]) -> _Launched:
+        s, t = self.ec.max_slots, self.ec.chunk_size
+        inp = self._common_inputs(t)
+        inp.update(tokens=np.zeros((s, t), np.int32), replay_mask=np.zeros((s, t), bool),
+                   last_index=np.zeros(s, np.int32), admit=np.zeros(s, bool))
+        next_tok = np.full((s, t), -1, np.int32)
+        rows, want_plp = [], False
+        for b, req in enumerate(slots):
+            if req is None or req.fed >= len(req.prompt_ids):
+                continue
+            n_prompt, start = len(req.prompt_ids), req.fed
+            n = min(t, n_prompt - start)
+            inp["tokens"][b, :n] = req.prompt_ids[start:start + n]
+            inp["positions"][b, :n] = np.arange(start, start + n)
+            inp["replay_mask"][b, :n] = np.arange(start, start + n) >= self._replay_from(req, b)
+            inp["last_index"][b] = n - 1
+            inp["admit"][b] = start == 0
+            last = start + n == n_prompt
+            inp["take_sample"][b] = last
+            self._set_sampling(inp, b, req, n_prompt)
+            span = None
+            if req.params.prompt_logprobs:
+                want_plp = True
+                nxt = req.prompt_ids[start + 1:start + n + 1]
+                next_tok[b, :len(nxt)] = nxt
+                span = (start, len(nxt))
+            rows.append(_Row(b, req, last, span))
+            req.fed += n
+            req.launched += last
+        with jax.threefry_partitionable(True):
+            self.state, out = self._prefill(self.params, self.state, inp, self.consts)
+            plp = self._plp(self.params, out["hidden"], next_tok, self.consts["valid_v"]) if want_plp else None
+        out.pop("hidden")
+        return _Launched(out, rows, plp)
+
+    def _launch_decode(self, slots: list[Request | None]) -> _Launched:
+        inp = self._common_inputs(1)
+        rows = []
         for b, req in enumerate(slots):
             if req is None:
                 continue
-            n_prompt = len(req.prompt_ids)
-            if decode:
-                if req.prefilled < n_prompt:
-                    continue
-                p = n_prompt + len(req.generated) - 1
-                tokens[b, 0] = req.generated[-1]
-                pos[b, 0] = p
-                rows[b, :1] = self._engram(req, p, 1)
-                n = 1
-            else:
-                if req.prefilled >= n_prompt:
-                    continue
-                start = req.prefilled
-                n = min(t, n_prompt - start)
-                tokens[b, :n] = req.prompt_ids[start:start + n]
-                pos[b, :n] = np.arange(start, start + n)
-                rows[b, :n] = self._engram(req, start, n)
-                w = cfg.sliding_window
-                replay[b, :n] = (pos[b, :n] >= n_prompt - w) if self.ec.bounded_replay else True
-                nxt = req.prompt_ids[start + 1:start + n + 1]
-                prompt_next[b, :len(nxt)] = nxt
-            last[b] = n - 1
-            self._fill_sampling(b, req, seeds, sample_pos, sampling, int(pos[b, n - 1]) + 1)
-            if not decode and req.prefilled + n < n_prompt:
-                continue  # a middle chunk: its sample is not used
-            samples.append((b, req))
-        inp = {"tokens": tokens, "positions": pos, "engram_rows": rows, "replay_mask": replay, "last_index": last,
-               "prompt_next": prompt_next, "seeds": seeds, "sample_positions": sample_pos,
-               "sampling": sampling, "admit": np.array([b in admitted for b in range(s)])}
-        return inp, samples
-
-    def _fill_sampling(self, b, req, seeds, sample_pos, sampling, position):
-        seeds[b] = seed_words(request_seed(req.params, req.request_id))
-        sample_pos[b] = position
-        for k, v in params_row(req.params).items():
-            sampling[k][b] = v
+            p = len(req.prompt_ids) + req.launched - 1  # position of the token fed (the last one sampled)
+            inp["positions"][b, 0] = p
+            inp["take_sample"][b] = True
+            self._set_sampling(inp, b, req, p + 1)
+            rows.append(_Row(b, req, True))
+            req.launched += 1
+        with jax.threefry_partitionable(True):
+            self.state, out = self._decode(self.params, self.state, inp, self.consts)
+        return _Launched(out, rows)
 
     # ------------------------------------------------------------------------------------------------
-    def _finish_check(self, req: Request, dec: IncrementalDecoder) -> None:
-        p = req.params
-        tid = req.generated[-1]
-        req.text += dec.push(tid)
-        if not p.ignore_eos and tid == self.tok.eos_id:
-            req.finish_reason = "stop"
-        elif tid in p.stop_token_ids:
-            req.finish_reason = "stop"
-        elif p.stop and any(s in req.text for s in p.stop):
-            cut = min(req.text.index(s) for s in p.stop if s in req.text)
-            req.text = req.text[:cut]
-            req.finish_reason = "stop"
-        elif len(req.generated) >= p.max_tokens:
-            req.finish_reason = "length"
-        elif len(req.prompt_ids) + len(req.generated) >= self.ec.max_len:
-            req.finish_reason = "length"  # the context is full
+    @staticmethod
+    def _append_text(req: Request, piece: str) -> bool:
+        """Add decoded text; True (and the text cut before it) when a stop string now appears."""
+        old = len(req.text)
+        req.text += piece
+        if not (req.params.stop and piece):
+            return False
+        from_ = max(0, old - max(len(s) for s in req.params.stop) + 1)  # a stop string may straddle old text
+        hits = [i for i in (req.text.find(s, from_) for s in req.params.stop) if i >= 0]
+        if hits:
+            req.text = req.text[:min(hits)]
+        return bool(hits)
 
-    def run(self, requests: list[Request], on_finish: Callable[[Request], None] | None = None,
-            on_step: Callable[[int], None] | None = None) -> list[Request]:
-        """Run every request to completion; ``on_finish`` is called as each one finishes."""
+    def _finish(self, req: Request, tid: int) -> str | None:
+        """Stop rules for the token just generated: EOS (unless ignore_eos) and stop tokens stay in
+        token_ids but add no text; a stop string cuts the text before it; then the length budget."""
+        p = req.params
+        if (tid == self.tok.eos_id and not p.ignore_eos) or tid in p.stop_token_ids:
+            self._append_text(req, req.decoder.flush())  # text held back for an incomplete character
+            return "stop"
+        if self._append_text(req, req.decoder.push(tid)):
+            return "stop"
+        if len(req.generated) >= self._budget(req):
+            return "stop" if self._append_text(req, req.decoder.flush()) else "length"
+        return None
+
+    def _collect(self, launched: _Launched, slots: list[Request | None], on_finish) -> int:
+        out = jax.device_get(launched.out)  # the one sync: this step's tokens (and their logprobs)
+        plp = None if launched.prompt_lp is None else jax.device_get(launched.prompt_lp)
+        n_tokens = 0
+        for row in launched.rows:
+            req, b = row.request, row.slot
+            if req.finish_reason is not None:
+                continue  # the wasted row after an EOS / stop string: discarded
+            if row.prompt_span is not None:
+                start, n = row.prompt_span
+                if start == 0:
+                    req.prompt_logprobs.append(None)  # the first token has no context
+                req.prompt_logprobs += [float(x) for x in plp[b, :n]]
+            if not row.sampled:
+                continue
+            tid = int(out["token"][b])
+            req.generated.append(tid)
+            req.logprobs.append(float(out["logprob"][b]))
+            if req.params.logprobs:
+                k = req.params.logprobs
+                req.top_logprobs.append({int(i): float(v) for i, v in zip(out["top_ids"][b, :k],
+                                                                          out["top_logprobs"][b, :k])})
+            n_tokens += 1
+            req.finish_reason = self._finish(req, tid)
+            if req.finish_reason is not None:
+                if slots[b] is req:
+                    slots[b] = None
+                if on_finish:
+                    on_finish(req)
+        return n_tokens
+
+    def run(self, requests: Sequence[Request], on_finish: Callable[[Request], None] | None = None,
+            on_tokens: Callable[[int], None] | None = None) -> Sequence[Request]:
+        """Run every request to completion (FIFO admission); ``on_finish`` is called as each finishes,
+        ``on_tokens`` with the number of tokens each collected step produced."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"request ids must be unique; {dup!r} appears {ids.count(dup)} times")
         for r in requests:
-            if len(r.prompt_ids) == 0:
-                raise ValueError(f"request {r.request_id!r}: empty prompt")
-            if len(r.prompt_ids) >= self.ec.max_len:
-                raise ValueError(f"request {r.request_id!r}: prompt has {len(r.prompt_ids)} tokens, the context "
-                                 f"holds {self.ec.max_len} (max_len); at least one token must be generated")
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"request {r.request_id!r}: token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+            self.validate(r)
+            r.generated, r.logprobs, r.top_logprobs, r.prompt_logprobs = [], [], [], []
+            r.text, r.finish_reason, r.fed, r.launched = "", None, 0, 0
+            r.decoder = IncrementalDecoder(self.tok)
+            r.seed_words = seed_words(request_seed(r.params, r.request_id))
         waiting = deque(requests)
         slots: list[Request | None] = [None] * self.ec.max_slots
-        decoders: dict[int, IncrementalDecoder] = {}
-        while waiting or any(slots):
-            admitted = set()
+        pending: _Launched | None = None
+        while True:
             for b in range(len(slots)):
                 if slots[b] is None and waiting:
                     slots[b] = waiting.popleft()
-                    decoders[b] = IncrementalDecoder(self.tok)
-                    admitted.add(b)
-            prefilling = any(r is not None and r.prefilled < len(r.prompt_ids) for r in slots)
-            decode = not prefilling
-            want_plp = (not decode) and any(r is not None and r.params.prompt_logprobs
-                                            and r.prefilled < len(r.prompt_ids) for r in slots)
-            inp, samples = self._inputs(slots, decode, admitted)
-            self.state, out = self.steps[(decode, want_plp)](self.params, state=self.state, inp=inp,
-                                                             valid_v=self.valid_v, engine_key=self.engine_key)
-            out = jax.device_get(out)  # the one sync per step: the sampled tokens
-            n_tok = 0
-            for b, req in enumerate(slots):
-                if req is None or decode or req.prefilled >= len(req.prompt_ids):
-                    continue
-                n = min(self.ec.chunk_size, len(req.prompt_ids) - req.prefilled)
-                if req.params.prompt_logprobs:
-                    if req.prefilled == 0:
-                        req.prompt_logprobs.append(None)
-                    m = min(n, len(req.prompt_ids) - 1 - req.prefilled)
-                    req.prompt_logprobs += [float(x) for x in out["prompt_logprobs"][b, :m]]
-                req.prefilled += n
-            for b, req in samples:
-                tid = int(out["token"][b])
-                req.generated.append(tid)
-                req.logprobs.append(float(out["logprob"][b]))
-                if req.params.logprobs:
-                    k = req.params.logprobs
-                    req.top_logprobs.append({int(i): float(v) for i, v in
-                                             zip(out["top_ids"][b, :k], out["top_logprobs"][b, :k])})
-                n_tok += 1
-                self._finish_check(req, decoders[b])
-                if req.finish_reason is not None:
+            if any(r is not None and r.fed < len(r.prompt_ids) for r in slots):
+                launched = self._launch_prefill(slots)
+            elif any(slots):
+                launched = self._launch_decode(slots)
+            else:
+                launched = None
+            for b, r in enumerate(slots):  # limits known in advance free the slot now
+                if r is not None and r.fed == len(r.prompt_ids) and r.launched >= self._budget(r):
                     slots[b] = None
-                    if on_finish:
-                        on_finish(req)
-            if on_step:
-                on_step(n_tok)
+            if pending is not None:
+                n = self._collect(pending, slots, on_finish)
+                if on_tokens:
+                    on_tokens(n)
+            pending = launched
+            if pending is None:
+                break
+        for r in requests:
+            r.decoder = None
         return requests
-

@@ -5,8 +5,10 @@
   index-K [B, ceil(max_len/r), index_head_dim], and for ratio 2 the fp32 pending half-pair.
 Each KV tensor is a storage dict from ``kv_codec`` ({"values"} in BF16, or {"values", "scale"} at
 deployment precision when ``numerics.kv_quant``).
-Positions start at -1 (empty); nothing else needs resetting between requests (attention trusts only
-entries its own positions make visible).
+Positions start at -1 (empty). A slot handed to a new request needs ``reset_slots``: the window ring
+trusts any row below a chunk's first position, and with bounded replay the upper layers first write at
+P - window, so the previous occupant's rows would show through. The compressed KV and index-K need no
+reset: an entry is visible only once the request's own positions have written it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.model import kv_codec
+from deepinfer_jax.model import compressor_v4, kv_codec
 from deepinfer_jax.model.numerics import Numerics
 
 
@@ -37,7 +39,12 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
         n = -(-max_len // r)
         entry = {"kv": kv_codec.stored_shapes(kv_codec.COMPRESSED, (batch, n), cfg.head_dim, q, dt),
                  "index_k": kv_codec.stored_shapes(kv_codec.INDEX_K, (batch, n), cfg.index_head_dim, q, dt)}
-        if r > 1:
+        if cfg.variant == "v4":  # the windows' projected rows, for both compressors (compressor_v4.py)
+            plan = cfg.layer_plan(s)
+            entry.update(compressor_v4.state_shapes(batch, r, plan.overlap, cfg.head_dim))
+            if plan.has_indexer:
+                entry.update(compressor_v4.state_shapes(batch, r, plan.overlap, cfg.index_head_dim, "idx_"))
+        elif r > 1:
             entry["pend_kv"] = jax.ShapeDtypeStruct((batch, cfg.head_dim), jnp.float32)
             entry["pend_score"] = jax.ShapeDtypeStruct((batch, cfg.head_dim), jnp.float32)
         sources[f"layer_{s}"] = entry
@@ -56,3 +63,18 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> int:
     leaves = jax.tree.leaves(cache_shapes(cfg, batch, max_len, numerics))
     return sum(int(jnp.dtype(x.dtype).itemsize) * math.prod(x.shape) for x in leaves)
+
+
+def reset_slots(cache: dict, reset_b: jax.Array) -> dict:
+    """The cache with the slots where ``reset_b`` [B] is true emptied: window positions -1, pending pair 0.
+
+    Touches only [B, W] positions and [B, D] pending rows per layer, not the KV itself, so resetting
+    on admission costs nothing next to the step (a full-cache select would rewrite every KV byte).
+    """
+    def clear(x: jax.Array, empty) -> jax.Array:
+        return jnp.where(reset_b.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.asarray(empty, x.dtype), x)
+
+    window = tuple(dict(layer, pos=clear(layer["pos"], -1)) for layer in cache["window"])
+    sources = {name: {k: clear(v, 0) if k.startswith("pend_") else v for k, v in src.items()}
+               for name, src in cache["sources"].items()}
+    return {**cache, "window": window, "sources": sources}
