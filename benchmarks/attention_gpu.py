@@ -98,7 +98,10 @@ def make_q(key, b, t):
 
 
 CONFIGS = {"kernel/split640": SparseAttentionConfig(640), "kernel/split320": SparseAttentionConfig(320),
-           "kernel/split128": SparseAttentionConfig(128)}
+           "kernel/split128": SparseAttentionConfig(128),
+           "kernel/split640/p2": SparseAttentionConfig(640, producer_warpgroups=2),
+           "kernel/split320/p2": SparseAttentionConfig(320, producer_warpgroups=2),
+           "kernel/split128/p2": SparseAttentionConfig(128, producer_warpgroups=2)}
 
 
 def guarded(section_name, impl_name, fn, *args):
@@ -273,28 +276,31 @@ def main():
     ap.add_argument("--quick", action="store_true", help="two contexts; no XLA invariance sweep")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="copy,correct,invariance,topk,decode,prefill")
+    ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
+                    help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2]")
     args = ap.parse_args()
     dev = jax.devices()[0]
     log(f"jax {jax.__version__}  device {dev.device_kind}  cc {getattr(dev, 'compute_capability', '?')}")
     RESULTS["device"] = dev.device_kind
     want = set(args.sections.split(","))
-    names = ["xla", "kernel/split640", "kernel/split320", "kernel/split128"]
+    names = args.impls.split(",")
     if "copy" in want:
         copy_bandwidth()
     if "correct" in want:
         correctness(names)
     if "invariance" in want:
         full = (2, 3, 8, 64)
-        inv = {"xla": full, "kernel/split640": full, "kernel/split320": (3, 64)}
+        inv = {n: (full if n in ("xla", "kernel/split640") else (3, 64)) for n in names}
+        inv.pop("kernel/split128", None)
         if args.quick:
-            del inv["xla"]
+            inv.pop("xla", None)
         invariance(list(inv), inv)
     if "topk" in want:
         topk_section()
     if "decode" in want:
         decode(names, (8192, 131072) if args.quick else (8192, 32768, 131072), reps_sets=8)
     if "prefill" in want:
-        prefill(["xla", "kernel/split640"])
+        prefill([n for n in names if n == "xla" or n.startswith("kernel/split640")])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "attention_gpu.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)

@@ -88,3 +88,65 @@ TINY_V41_ROOT = {
                             "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
     "text_config": TINY_V41_TEXT,
 }
+
+# --------------------------------------------------------------------------------------------------
+# Tiny DeepSeek-V4-Flash (model_type deepseek_v4): the official root layout of spec §1.2, shrunk. Used by
+# tests/test_v4flash*.py and the transformers parity test (random weights made in the test; no checkpoint
+# is committed). Layer plan, mirroring the real [0,0] + [4,128]*20 + [4] + [0]:
+#   0, 1   SWA only                        (hash-routed MoE: num_hash_layers = 3)
+#   2, 4, 6  ratio 4: overlapping compressor + Hadamard-rotated indexer (layer 2 hash-routed)
+#   3, 5   ratio 128: non-overlapping compressor, attends every visible entry
+#   entry 7 = the MTP layer (ratio 0)
+# sliding_window 16 and index_topk 4 are small so that the window evicts and the indexer really selects
+# within a ~150-token test prompt; ratio 128 stays real, so prompts of >= 128 tokens reach HCA entries.
+TINY_V4FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "transformers_version": "4.57.1",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 7,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_lora_rank": 16,
+    "o_groups": 2,
+    "hidden_act": "silu",
+    "swiglu_limit": 10.0,
+    "rms_norm_eps": 1e-6,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "num_hash_layers": 3,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "num_nextn_predict_layers": 1,
+    "sliding_window": 16,
+    "index_n_heads": 16,  # many heads: a score of exactly 0 (every head ReLU-clipped) would tie
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0],
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "use_cache": True,
+}

@@ -46,6 +46,12 @@ class LayerPlan:
     uses_candidate_mask: bool  # REINDEX layers restricted to the candidate pool
     has_engram: bool
     rope: RopeSpec
+    # V4-Flash only (defaults = V4.1): ratio-4 compressors pool overlapping windows (previous window's
+    # first half + this window's second half) and own a Hadamard-rotated indexer; ratio-128 compressors
+    # have no indexer (every visible entry is attended); the first num_hash_layers route by token id.
+    overlap: bool = False
+    has_indexer: bool = True
+    hash_routed: bool = False
 
     @property
     def has_compressor(self) -> bool:
@@ -53,7 +59,7 @@ class LayerPlan:
 
     @property
     def has_index_query(self) -> bool:
-        return self.mode in (AttnMode.FULL, AttnMode.REINDEX)
+        return self.mode in (AttnMode.FULL, AttnMode.REINDEX) and self.has_indexer
 
 
 # Keys read from text_config (V4.1) or the root (V4). Values are the defaults used when a key is absent;
@@ -127,6 +133,7 @@ _TEXT_KEYS: dict[str, Any] = {
 _IGNORED_KEYS = {
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "image_token_id",
     "vision_config", "text_config", "quantization_config", "auto_map", "_name_or_path",
+    "expert_dtype",  # V4-Flash's later revision puts it at the root; folded into QuantConfig below
 }
 _MODEL_TYPES = {"deepseek_v41": "v4.1", "deepseek_v41_text": "v4.1", "deepseek_v4": "v4"}
 
@@ -371,14 +378,36 @@ class ModelConfig:
                 if got != total:
                     raise bad("engram_num_embeddings", f"entry for layer {lid} is {total}, but the prime layout "
                               f"derived from engram_vocab_size={self.engram_vocab_size} sums to {got}")
-        if self.variant == "v4.1":
-            for i in range(n):
-                self.layer_plan(i)  # raises on an inconsistent plan
+        if not 0 <= self.num_hash_layers <= n:
+            raise bad("num_hash_layers", f"must be in [0, num_hidden_layers={n}], got {self.num_hash_layers}")
+        if self.variant == "v4":
+            if self.index_head_dim & (self.index_head_dim - 1):
+                raise bad("index_head_dim", f"must be a power of two (Hadamard-rotated indexer), got {self.index_head_dim}")
+            if self.sliding_window < 1:
+                raise bad("sliding_window", "must be positive")
+        for i in range(n):
+            self.layer_plan(i)  # raises on an inconsistent plan
         if self.quant.block <= 0 or self.quant.weight_block_size[0] != self.quant.weight_block_size[1]:
             raise ConfigError(f"{where}: quantization_config.weight_block_size must be square, "
                               f"got {list(self.quant.weight_block_size)}")
 
     # ----------------------------------------------------------------------------------------------
+    # Architecture switches that differ between the variants (spec §3); derived, never separate keys.
+    @property
+    def per_head_q_norm(self) -> bool:
+        """V4: unweighted RMS norm of each query head before RoPE (V4.1 removed it)."""
+        return self.variant == "v4"
+
+    @property
+    def delayed_pre_mhc(self) -> bool:
+        """V4.1: each site collapses with the previous site's pre (§2.3); V4: with its own (§3.4)."""
+        return self.variant == "v4.1"
+
+    @property
+    def has_hc_head(self) -> bool:
+        """V4: the final stream collapse has its own learned mix (hc_head_*, §3.5)."""
+        return self.variant == "v4"
+
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.o_groups
@@ -414,6 +443,8 @@ class ModelConfig:
         ratio = self.compress_ratios[layer_id]
         rope = self.rope_spec(ratio)
         has_engram = layer_id in self.engram_layer_ids
+        if self.variant == "v4":
+            return self._v4_layer_plan(layer_id, ratio, rope)
         if ratio == 0:
             return LayerPlan(layer_id, 0, AttnMode.SWA, None, None, False, False, has_engram, rope)
         kv_src = max((s for s in self.kv_source_layer_ids if s <= layer_id), default=None)
@@ -444,6 +475,15 @@ class ModelConfig:
             has_engram=has_engram,
             rope=rope,
         )
+
+    def _v4_layer_plan(self, layer_id: int, ratio: int, rope: RopeSpec) -> LayerPlan:
+        """V4-Flash: no cross-layer sharing; every compressed layer is its own KV (and, at ratio 4, index) source."""
+        hashed = layer_id < self.num_hash_layers
+        if ratio == 0:
+            return LayerPlan(layer_id, 0, AttnMode.SWA, None, None, False, False, False, rope, hash_routed=hashed)
+        csa = ratio == 4
+        return LayerPlan(layer_id, ratio, AttnMode.FULL, layer_id, layer_id if csa else None, False, False, False,
+                         rope, overlap=csa, has_indexer=csa, hash_routed=hashed)
 
     @property
     def layer_plans(self) -> tuple[LayerPlan, ...]:

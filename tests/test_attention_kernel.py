@@ -186,3 +186,32 @@ def test_kernel_in_gpu_interpreter_is_batch_invariant():
         alone = sparse_sink_attention_pallas(probe[0], probe[1], jnp.asarray(probe[2]), sink, 0.1, cfg)
         among = sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, 0.1, cfg)
     assert np.array_equal(_bits(among[2]), _bits(alone[0]))
+
+
+@pytest.mark.parametrize("cfg", [SparseAttentionConfig(640), SparseAttentionConfig(320),
+                                 SparseAttentionConfig(320, producer_warpgroups=2)])
+def test_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
+    """Cross-lowers the kernel for CUDA on this CPU machine: Mosaic GPU's Python lowering checks the
+    layout, tiling, swizzle and TMA rules that the interpreter ignores (a wrong tile or copy fails here)."""
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+
+    args = (jax.ShapeDtypeStruct((64, 1, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((64, 8320, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 1, 640), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
+    fn = jax.jit(lambda q, kv, idx, sink: sparse_sink_attention_pallas(q, kv, idx, sink, 512 ** -0.5, cfg))
+    module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module
+
+
+def test_dispatcher_uses_the_registry():
+    from pallas_kernels.attention import sparse_sink_attention
+    from pallas_kernels.registry import KernelUnavailableError
+
+    rng = np.random.default_rng(9)
+    q, kv, idx, sink = _inputs(rng, 1, 2, 4, 64, 20, 12)
+    idx = jnp.asarray(idx)
+    auto = sparse_sink_attention(q, kv, idx, sink, 0.125)            # CPU: the XLA path
+    assert np.array_equal(_bits(auto), _bits(sparse_sink_attention_xla(q, kv, idx, sink, 0.125)))
+    ref = sparse_sink_attention(q, kv, idx, sink, 0.125, impl="reference")
+    assert ref.dtype == jnp.float32
+    with pytest.raises(KernelUnavailableError, match="pallas_mosaic_gpu"):
+        sparse_sink_attention(q, kv, idx, sink, 0.125, impl="pallas_mosaic_gpu")

@@ -61,3 +61,32 @@ def test_quantized_cache_leaves_results_unchanged(tiny_params, tiny_cfg, tiny_to
     q = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, Numerics.reference(kv_quant=True))
     b = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, Numerics.reference(kv_quant=False))
     assert np.array_equal(q.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("kv_quant", [True, False])
+def test_tiny_cache_device_bytes_match_the_plan(tiny_cfg, kv_quant):
+    """The allocated cache (the arrays' real nbytes, not the shape plan) grows by the planned bytes per
+    token, derived here from the tiny config and the formats alone (spec §4.1 at tiny dims)."""
+    from deepinfer_jax.model.cache import init_cache
+
+    cfg = tiny_cfg
+    num = Numerics.reference(kv_quant=kv_quant)
+    d, di = cfg.head_dim, cfg.index_head_dim                       # 64, 32
+    if kv_quant:   # FP4 values + E4M3 per 16 (compressed); FP4 + E8M0 per 32 (index-K); FP8 + E8M0 per 32 (ring)
+        per_entry, per_slot = (d // 2 + d // 16) + (di // 2 + di // 32), d + d // 32
+    else:
+        per_entry, per_slot = 2 * (d + di), 2 * d
+    entries_per_token = sum(1 / cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)   # 1/2 + 1/2 + 1 = 2
+    assert entries_per_token == 2 and per_entry == (53 if kv_quant else 192)
+
+    def device_bytes(max_len):
+        return sum(x.nbytes for x in jax.tree.leaves(init_cache(cfg, 2, max_len, num)))
+
+    n1, n2 = 64, 192
+    b1, b2 = device_bytes(n1), device_bytes(n2)
+    assert b1 == cache_bytes(cfg, 2, n1, num) and b2 == cache_bytes(cfg, 2, n2, num)
+    assert (b2 - b1) / (2 * (n2 - n1)) == entries_per_token * per_entry          # 106 / 384 B per token
+    # the constant part: 12 rings of 8 slots (values + scales + int32 position) + the fp32 pending pairs
+    ratio2 = sum(cfg.compress_ratios[s] == 2 for s in cfg.kv_source_layer_ids)
+    fixed = cfg.num_hidden_layers * cfg.sliding_window * (per_slot + 4) + ratio2 * 2 * d * 4
+    assert b1 == 2 * (fixed + entries_per_token * per_entry * n1)

@@ -83,3 +83,11 @@ def test_batch_invariant(batch):
 def test_unknown_method_is_named():
     with pytest.raises(ValueError, match="'heap'"):
         topk_indices_xla(jnp.zeros((1, 1, 4)), 2, method="heap")
+
+
+def test_dispatcher_uses_the_registry():
+    s = jnp.asarray(_tie_heavy(np.random.default_rng(10), (2, 1, 90)))
+    np.testing.assert_array_equal(np.asarray(topk_indices(s, 16, impl="reference")),
+                                  np.asarray(topk_indices(s, 16)))
+    with pytest.raises(ValueError, match="no implementation 'pallas_mosaic_gpu'"):
+        topk_indices(s, 16, impl="pallas_mosaic_gpu")

@@ -103,10 +103,64 @@ def _layer_extras(cfg: ModelConfig, layer_id: int) -> list[TensorSpec]:
     return s
 
 
+def _v4_block_specs(cfg: ModelConfig, prefix: str, layer_id: int, group: str) -> list[TensorSpec]:
+    """A V4-Flash block (spec §5.3): the V4.1 block without ``gate.bias_vl``, hash layers holding
+    ``gate.tid2eid`` instead of ``gate.bias``, plus the per-layer compressor / indexer of its ratio."""
+    d, b = cfg.hidden_size, cfg.quant.block
+    s = [sp for sp in _block_specs(cfg, prefix, cfg.n_routed_experts, group)
+         if not sp.name.endswith(("gate.bias_vl", "gate.bias"))]
+    hashed = layer_id < cfg.num_hash_layers
+    f = f"{prefix}.ffn.gate"
+    s.append(TensorSpec(f"{f}.tid2eid", "I64", (cfg.vocab_size, cfg.num_experts_per_tok), group) if hashed
+             else TensorSpec(f"{f}.bias", "F32", (cfg.n_routed_experts,), group))
+    ratio = cfg.compress_ratios[layer_id]
+    a = f"{prefix}.attn"
+    if ratio:
+        width = 2 * cfg.head_dim if ratio == 4 else cfg.head_dim  # ratio 4: two halves (overlap)
+        s += [TensorSpec(f"{a}.compressor.ape", "F32", (ratio, width), group),
+              TensorSpec(f"{a}.compressor.wkv.weight", "BF16", (width, d), group),
+              TensorSpec(f"{a}.compressor.wgate.weight", "BF16", (width, d), group),
+              TensorSpec(f"{a}.compressor.norm.weight", "BF16", (cfg.head_dim,), group)]
+    if ratio == 4:
+        iw = 2 * cfg.index_head_dim
+        s += _fp8_linear(f"{a}.indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, b, group)
+        s += [TensorSpec(f"{a}.indexer.weights_proj.weight", "BF16", (cfg.index_n_heads, d), group),
+              TensorSpec(f"{a}.indexer.compressor.ape", "F32", (ratio, iw), group),
+              TensorSpec(f"{a}.indexer.compressor.wkv.weight", "BF16", (iw, d), group),
+              TensorSpec(f"{a}.indexer.compressor.wgate.weight", "BF16", (iw, d), group),
+              TensorSpec(f"{a}.indexer.compressor.norm.weight", "BF16", (cfg.index_head_dim,), group)]
+    return s
+
+
+def _hc_head_specs(cfg: ModelConfig, prefix: str, group: str) -> list[TensorSpec]:
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    return [TensorSpec(f"{prefix}hc_head_fn", "F32", (hc, hc * d), group),
+            TensorSpec(f"{prefix}hc_head_base", "F32", (hc,), group),
+            TensorSpec(f"{prefix}hc_head_scale", "F32", (1,), group)]
+
+
+def _v4_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """V4-Flash (spec §5.3): backbone layers, the final hc_head, and the MTP layer(s) ``mtp.{s}``
+    (group DSPARK: loaded on request; its layer id is num_hidden_layers + s, so it has that ratio)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("embed.weight", "BF16", (v, d)), TensorSpec("head.weight", "BF16", (v, d)),
+             TensorSpec("norm.weight", "BF16", (d,))] + _hc_head_specs(cfg, "", BACKBONE)
+    for layer_id in range(cfg.num_hidden_layers):
+        specs += _v4_block_specs(cfg, f"layers.{layer_id}", layer_id, BACKBONE)
+    for st in range(cfg.num_nextn_predict_layers):
+        m = f"mtp.{st}"
+        specs += _v4_block_specs(cfg, m, cfg.num_hidden_layers + st, DSPARK)
+        specs += _fp8_linear(f"{m}.e_proj", d, d, cfg.quant.block, DSPARK)
+        specs += _fp8_linear(f"{m}.h_proj", d, d, cfg.quant.block, DSPARK)
+        specs += [TensorSpec(f"{m}.{k}.weight", "BF16", (d,), DSPARK) for k in ("enorm", "hnorm", "norm")]
+        specs += _hc_head_specs(cfg, f"{m}.", DSPARK)
+    return specs
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every tensor of the official checkpoint except the vision tower (``vision.*``, ``aligner.*``)."""
-    if cfg.variant != "v4.1":
-        raise NotImplementedError(f"tensor list for variant {cfg.variant!r} is not implemented yet")
+    if cfg.variant == "v4":
+        return _unique(_v4_specs(cfg))
     d, v = cfg.hidden_size, cfg.vocab_size
     specs = [
         TensorSpec("embed.weight", "BF16", (v, d)),
@@ -131,6 +185,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
             TensorSpec(f"{last}.markov_head.head.weight", "BF16", (v, r), DSPARK),
             TensorSpec(f"{last}.confidence_head.proj.weight", "BF16", (1, d + r), DSPARK),
         ]
+    return _unique(specs)
+
+
+def _unique(specs: list[TensorSpec]) -> dict[str, TensorSpec]:
     out = {}
     for sp in specs:
         if sp.name in out:

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, LayerPlan, ModelConfig
-from deepinfer_jax.model import compressor, indexer, kv_codec
+from deepinfer_jax.model import attention_v4, compressor, indexer, kv_codec
 from deepinfer_jax.model.linear import quant_linear, weight_of
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
+from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
 from deepinfer_jax.model.window import window_keys, window_update
 
 
@@ -47,6 +48,49 @@ def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     return o / denom[..., None]
 
 
+def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None, idx_btk: jax.Array | None,
+                  dtype) -> tuple[jax.Array, jax.Array]:
+    """The window keys and the compressed KV as one ``sparse_sink_attention`` problem: kv [B, W+T(+N), D]
+    (window rows first) and idx [B, T, W+T(+K)] (window rows by mask, then the selection offset by W+T)."""
+    b, t, n_w = win_mask_btw.shape
+    idx_w = jnp.where(win_mask_btw, jnp.arange(n_w, dtype=jnp.int32), -1)
+    kv = win_k_bwd.astype(dtype)
+    if idx_btk is None:
+        return kv, idx_w
+    comp = kv_codec.decode(kv_codec.COMPRESSED, comp_kv, dtype)
+    idx_c = jnp.where(idx_btk >= 0, idx_btk.astype(jnp.int32) + n_w, -1)
+    return jnp.concatenate([kv, comp], axis=1), jnp.concatenate([idx_w, idx_c], axis=-1)
+
+
+def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
+                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, numerics: Numerics) -> jax.Array:
+    """``sink_attention`` on the implementation ``numerics.kernels`` picks (numerics.py): the model's
+    float32 code, or ``pallas_kernels.attention.sparse_sink_attention`` (the Mosaic GPU kernel on Hopper,
+    its XLA fallback elsewhere). The choice depends on the platform, the mode and static shapes only."""
+    from pallas_kernels import attention as pk_attn
+
+    h, d = q_bthd.shape[-2:]
+    config = pk_attn.SparseAttentionConfig()
+    why = pk_attn.kernel_unsupported_reason(h, d, config)
+    if why is None and q_bthd.dtype != jnp.bfloat16:
+        why = f"the kernel takes bf16 q and kv, not {q_bthd.dtype}"
+    route, impl = kernel_route(numerics, "attention", "sparse_sink_attention", why)
+    if route == "model":
+        return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision)
+    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype)
+    if impl == "interpret":
+        from pallas_kernels.attention.config import BLOCK_ROWS
+        from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+        from pallas_kernels.interpret import gpu_interpreter
+
+        # One split of the fewest 64-row blocks (the interpreter is slow; splits change only the
+        # summation order, which the kernel tests cover).
+        config = pk_attn.SparseAttentionConfig(split_rows=-(-idx.shape[-1] // BLOCK_ROWS) * BLOCK_ROWS)
+        with gpu_interpreter():
+            return sparse_sink_attention_pallas(q_bthd, kv_bsd, idx, sink_h, scale, config)
+    return pk_attn.sparse_sink_attention(q_bthd, kv_bsd, idx, sink_h, scale, config=config, impl=impl)
+
+
 def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_bt: jax.Array, layer_cache: dict,
               source_caches: dict, published: dict, numerics: Numerics) -> tuple[jax.Array, dict, dict]:
     """-> (out_btd, new window cache, updated source caches). ``published`` is updated in place."""
@@ -58,12 +102,14 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
 
     qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics), p["q_norm"]["weight"], eps, dt)
     q = quant_linear(qr, p["wq_b"], numerics).reshape(b, t, h, hd)
+    if cfg.per_head_q_norm:  # V4: unweighted RMS norm of each head (V4.1 has none)
+        q = rms_norm(q, None, eps, dt)
     q = apply_rope(q, pos_bt[..., None], inv_freq)
 
     kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)
     if numerics.fake_quant:
-        kv = fake_quant_fp8(kv)
+        kv = fake_quant_kv_v4(kv, cfg.qk_rope_head_dim) if cfg.variant == "v4" else fake_quant_fp8(kv)
     kvq = numerics.kv_quant
     ring = kv_codec.decode(kv_codec.WINDOW, layer_cache["kv"], dt)
     win_k, win_mask = window_keys(ring, layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
@@ -73,7 +119,10 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
 
     idx = None
     comp_kv = None
-    if plan.mode is not AttnMode.SWA:
+    if plan.mode is not AttnMode.SWA and cfg.variant == "v4":  # every compressed layer is its own source
+        comp_kv, idx, source_caches = attention_v4.compressed_inputs(p, cfg, plan, x_btd, qr, pos_bt, source_caches,
+                                                                     inv_freq, numerics)
+    elif plan.mode is not AttnMode.SWA:
         key = f"layer_{plan.kv_source}"
         if plan.mode is AttnMode.FULL:
             src = dict(source_caches[key])
@@ -110,7 +159,7 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
         else:
             idx = published[f"topk_{plan.index_source}"]
 
-    o = sink_attention(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics.precision)
+    o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics)
     o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model.hash_routing import hash_route
 from deepinfer_jax.model.linear import dense, dequant_fp4, quant_linear
-from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8, kernel_route
 from deepinfer_jax.model.selection import topk_desc
 
 
@@ -64,6 +65,96 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
                       preferred_element_type=jnp.float32)
 
 
+def _expert_weights(p_lin: dict) -> tuple[jax.Array, jax.Array | None]:
+    """A stacked expert linear in a ``grouped_matmul`` format (packed FP4 / FP8 + E8M0, or bf16)."""
+    return p_lin["weight"], p_lin.get("scale")
+
+
+def _grouped_unsupported(p_exp: dict, numerics: Numerics) -> tuple[str | None, str | None]:
+    """(why the grouped_matmul op cannot take these inputs at all, why the Pallas kernel cannot run them)."""
+    from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, kernel_unsupported_reason, weight_format
+
+    if numerics.dtype != jnp.bfloat16:
+        return f"grouped_matmul takes bf16 activations, not {numerics.dtype}", None
+    fmts = {}
+    for name in ("w1", "w3", "w2"):
+        w, s = _expert_weights(p_exp[name])
+        try:
+            fmts[name] = weight_format(w, s)
+        except ValueError as e:
+            return f"expert weights {name}: {e}", None
+    for name in ("w1", "w3", "w2"):
+        w = p_exp[name]["weight"]
+        k = w.shape[2] * (2 if fmts[name].value == "fp4" else 1)
+        if (why := kernel_unsupported_reason(w.shape[1], k, fmts[name], GroupedMatmulConfig(), jnp.float32)):
+            return None, f"expert weights {name} {tuple(w.shape)}: {why}"
+    return None, None
+
+
+def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
+                           numerics: Numerics, impl: str | None = None) -> jax.Array:
+    """``routed_experts_gather`` on ``pallas_kernels.grouped_gemm.grouped_matmul`` -> [M, k, D] fp32.
+
+    Rows are the (token, rank) pairs; the op sorts them by expert, runs fixed-size one-expert tiles and
+    returns each row's result unchanged by its neighbours. Same quantizer sites as the gather path; the
+    products are the same (bf16 x exactly-dequantized weights, fp32 accumulation), only the summation
+    order differs. impl: ``grouped_matmul``'s impl (None = automatic), or "interpret" = the Pallas kernel
+    in the Mosaic GPU interpreter (CPU tests)."""
+    from pallas_kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+
+    m, k = ids_mk.shape
+    gid = ids_mk.reshape(m * k).astype(jnp.int32)
+
+    def mm(x, name):
+        w, s = _expert_weights(p_exp[name])
+        if impl == "interpret":
+            from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+            from pallas_kernels.interpret import gpu_interpreter
+
+            # The interpreter's wgmma reads shared memory only: stage the dequantized tile there;
+            # small tiles keep the interpreter fast (same 16-wide K order, so the same row results).
+            cfg = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
+            with gpu_interpreter():
+                return grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg)
+        return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl,
+                              selection=_auto_selection())
+
+    xq = fake_quant_fp8(x_md) if numerics.fake_quant else x_md
+    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
+    g = mm(x_rows, "w1")
+    u = mm(x_rows, "w3")
+    hid = swiglu(g, u, limit) * w_mk.reshape(m * k)[:, None]
+    hid = hid.astype(numerics.dtype)
+    if numerics.fake_quant:
+        hid = fake_quant_fp8(hid)
+    return mm(hid.astype(jnp.bfloat16), "w2").reshape(m, k, -1)
+
+
+def _auto_selection():
+    # The model's choice is Numerics.kernels; an impl of None means the op's automatic choice, not the
+    # DEEPINFER_KERNELS environment variable.
+    from pallas_kernels.registry import AUTO
+
+    return AUTO
+
+
+def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
+                   numerics: Numerics) -> jax.Array:
+    """The routed experts on the implementation ``numerics.kernels`` picks (numerics.py): the gather
+    path, or the grouped GEMM (Pallas kernel on Hopper, its tiled XLA fallback elsewhere)."""
+    op_why, kernel_why = _grouped_unsupported(p_exp, numerics)
+    if op_why is not None:
+        if numerics.kernel_mode("experts") in ("pallas", "interpret"):
+            from pallas_kernels.registry import KernelUnavailableError
+
+            raise KernelUnavailableError(f"experts: the Pallas kernel was requested but {op_why}")
+        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics)
+    route, impl = kernel_route(numerics, "experts", "grouped_matmul", kernel_why)
+    if route == "model":
+        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics)
+    return routed_experts_grouped(p_exp, x_md, ids_mk, w_mk, limit, numerics, impl)
+
+
 def shared_expert(p: dict, x_md: jax.Array, limit: float, numerics: Numerics) -> jax.Array:
     g = quant_linear(x_md, p["w1"], numerics, jnp.float32)
     u = quant_linear(x_md, p["w3"], numerics, jnp.float32)
@@ -72,13 +163,18 @@ def shared_expert(p: dict, x_md: jax.Array, limit: float, numerics: Numerics) ->
 
 
 def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: int | None = None,
-        experts_impl=None) -> jax.Array:
+        experts_impl=None, token_ids: jax.Array | None = None) -> jax.Array:
     """experts_impl: a replacement for ``routed_experts_gather`` with its signature (e.g. the
-    expert-parallel ``parallel.moe_ep``); None = the single-device gather path."""
+    expert-parallel ``parallel.moe_ep``); None = ``routed_experts``, which picks the gather path or the
+    grouped-GEMM kernel by ``numerics.kernels``. token_ids [B*T]: given on hash-routed layers (V4's
+    first num_hash_layers), whose experts come from ``gate.tid2eid`` (hash_routing.py)."""
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)
-    ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
-    routed = (experts_impl or routed_experts_gather)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics)
+    if token_ids is not None:
+        ids, w = hash_route(p["gate"], cfg, x, token_ids)
+    else:
+        ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
+    routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics)
     y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit, numerics)
     for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
         y = y + routed[:, k]

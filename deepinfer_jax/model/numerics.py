@@ -4,6 +4,22 @@
 fake-quantization before every quantized GEMM and on the KV caches. ``Numerics.exact()`` keeps fp32
 activations and no fake quantization: the mode the float64 numpy tests compare against, because a
 quantizer that flips one rounding step makes any float64-vs-float32 comparison meaningless.
+``Numerics.fast()`` keeps the reference's quantizers and caches but runs the attention core and the
+routed-expert GEMMs with the kernels' numerics (``pallas_kernels``: bf16 probabilities for p.kv, bf16
+expert outputs, fixed-size expert tiles): the deployment path. On a Hopper GPU that is the Pallas
+kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
+
+``Numerics.kernels`` picks who computes the two hot ops (a static string, so jit caches key on it):
+
+* ``"auto"`` (default): the Pallas kernels on a Hopper CUDA device for the shapes they support, the
+  model's own XLA code everywhere else -- so on CPU the numerics are exactly those of ``"xla"``;
+* ``"xla"``: the model's own XLA code (float32 attention at HIGHEST precision, dequantize-and-einsum
+  experts), on every platform;
+* ``"ops"``: the ``pallas_kernels`` ops with their automatic choice (kernel on Hopper, their XLA
+  fallback elsewhere): the kernels' numerics on any platform;
+* ``"pallas"``: force the Pallas kernels (``KernelUnavailableError`` where they cannot run);
+* ``"interpret"``: the Pallas kernels in the Mosaic GPU interpreter (CPU tests only; slow);
+* per op: ``"attention=pallas,experts=xla"`` (ops ``attention`` and ``experts``; unnamed ops: auto).
 """
 
 from __future__ import annotations
@@ -16,6 +32,8 @@ import jax.numpy as jnp
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
+KERNEL_OPS = ("attention", "experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +41,7 @@ class Numerics:
     act_dtype: str = "bfloat16"  # residual stream and activations
     fake_quant: bool = True  # simulate the deployment quantizers where the reference does
     kv_quant: bool = True  # store KV caches at deployment precision (FP8 window, FP4 compressed/index-K)
+    kernels: str = "auto"  # who computes attention / routed experts (module docstring)
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -32,10 +51,43 @@ class Numerics:
     def exact(cls) -> "Numerics":
         return cls("float32", False, False)
 
+    @classmethod
+    def fast(cls, kv_quant: bool = True) -> "Numerics":
+        return cls("bfloat16", True, kv_quant, "ops")
+
+    @classmethod
+    def named(cls, name: str) -> "Numerics":
+        """``reference``, ``reference-bf16-kv``, ``fast``, ``fast-bf16-kv`` or ``exact``."""
+        table = {"reference": cls.reference(), "reference-bf16-kv": cls.reference(kv_quant=False),
+                 "fast": cls.fast(), "fast-bf16-kv": cls.fast(kv_quant=False), "exact": cls.exact()}
+        if name not in table:
+            raise ValueError(f"unknown numerics {name!r}; known: {sorted(table)}")
+        return table[name]
+
     def __post_init__(self):
         if self.kv_quant and not self.fake_quant:
             # Storing quantized KV without the matching fake-quant would change results silently.
             raise ValueError("Numerics(kv_quant=True) needs fake_quant=True")
+        self.kernel_mode("attention")  # validates the text
+
+    def kernel_mode(self, op: str) -> str:
+        """The mode (``KERNEL_MODES``) that ``kernels`` names for op (``attention`` or ``experts``)."""
+        if op not in KERNEL_OPS:
+            raise ValueError(f"unknown kernel op {op!r}; known: {KERNEL_OPS}")
+        default, per_op = "auto", {}
+        for part in filter(None, (x.strip() for x in self.kernels.split(","))):
+            name, eq, mode = (x.strip() for x in part.partition("="))
+            if not eq:
+                name, mode = None, name
+            if mode not in KERNEL_MODES:
+                raise ValueError(f"Numerics.kernels={self.kernels!r}: unknown mode {mode!r}; known: {KERNEL_MODES}")
+            if name is None:
+                default = mode
+            elif name in KERNEL_OPS:
+                per_op[name] = mode
+            else:
+                raise ValueError(f"Numerics.kernels={self.kernels!r}: unknown op {name!r}; known: {KERNEL_OPS}")
+        return per_op.get(op, default)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -105,3 +157,30 @@ def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     s = fp4_e4m3_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True)).astype(jnp.float32)
     q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
+
+
+def kernel_route(numerics: Numerics, op: str, registry_op: str, unsupported: str | None) -> tuple[str, str | None]:
+    """Where ``op`` runs under ``numerics.kernels``: ("model", None) = the model's own XLA code, or
+    ("op", impl) = the ``pallas_kernels`` op with ``impl`` (None: its automatic choice;
+    "pallas_mosaic_gpu"; "xla"; "interpret" = the Pallas kernel in the Mosaic GPU interpreter).
+
+    unsupported: why the Pallas kernel cannot run this call's shape (None if it can). Decided at trace
+    time from the platform, the mode and static shapes only, never from the batch contents."""
+    from pallas_kernels import registry
+
+    mode = numerics.kernel_mode(op)
+    if mode == "xla":
+        return "model", None
+    if mode == "interpret":
+        if unsupported is not None:
+            raise registry.KernelUnavailableError(f"{op}: the Pallas kernel was requested but {unsupported}")
+        return "op", "interpret"
+    if mode == "pallas":
+        registry.resolve(registry_op, impl=registry.PALLAS_MOSAIC_GPU)      # raises off Hopper CUDA
+        if unsupported is not None:
+            raise registry.KernelUnavailableError(f"{op}: the Pallas kernel was requested but {unsupported}")
+        return "op", registry.PALLAS_MOSAIC_GPU
+    kernel_here = registry.resolve(registry_op).name == registry.PALLAS_MOSAIC_GPU and unsupported is None
+    if mode == "auto":
+        return ("op", registry.PALLAS_MOSAIC_GPU) if kernel_here else ("model", None)
+    return "op", registry.PALLAS_MOSAIC_GPU if kernel_here else registry.XLA    # "ops"

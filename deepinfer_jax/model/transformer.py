@@ -1,4 +1,4 @@
-"""The V4.1 forward pass as pure functions: ``forward(params, cfg, cache, tokens, positions, ...)``.
+"""The V4.1 / V4-Flash forward pass as pure functions: ``forward(params, cfg, cache, tokens, positions, ...)``.
 
 One call processes T tokens for each of B slots at their own absolute positions (prefill chunks and
 decode steps alike); rows with position -1 are padding and write nothing. Layers run in order, a
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.model import engram, mhc
+from deepinfer_jax.model import engram, hc_head, mhc
 from deepinfer_jax.model.attention import attention
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
@@ -26,24 +26,29 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
-          cache: dict, published: dict, numerics: Numerics, parallel=None):
-    """One V4.1 block with the delayed-pre mHC: attention collapses with the carried pre, the FFN with
-    the attention site's pre, and the FFN site's pre is carried to the next block.
+          cache: dict, published: dict, numerics: Numerics, parallel=None, tokens_bt: jax.Array | None = None):
+    """One block. V4.1 (delayed-pre mHC): attention collapses with the carried pre, the FFN with the
+    attention site's pre, and the FFN site's pre is carried to the next block. V4 (cfg.delayed_pre_mhc
+    off): each site collapses with its own pre; the carried pre is unused.
 
-    parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None."""
+    parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None.
+    tokens_bt: the token ids, needed by hash-routed MoE layers (V4's first num_hash_layers)."""
     plan = cfg.layer_plan(layer_id)
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
     a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg)
-    x = rms_norm(mhc.pre_apply(x_bthd, carried_pre, dt), p["attn_norm"]["weight"], eps, dt)
+    attn_pre = carried_pre if cfg.delayed_pre_mhc else a_pre
+    x = rms_norm(mhc.pre_apply(x_bthd, attn_pre, dt), p["attn_norm"]["weight"], eps, dt)
     attend = attention if parallel is None else parallel.attention
     attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, cache["window"][layer_id],
                                         cache["sources"], published, numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
     f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg)
-    x = rms_norm(mhc.pre_apply(x_bthd, a_pre, dt), p["ffn_norm"]["weight"], eps, dt)
+    x = rms_norm(mhc.pre_apply(x_bthd, a_pre if cfg.delayed_pre_mhc else f_pre, dt), p["ffn_norm"]["weight"], eps, dt)
     experts_impl = None if parallel is None else parallel.routed_experts
-    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl), x_bthd, f_post, f_comb, dt)
+    hash_ids = tokens_bt.reshape(-1) if plan.hash_routed else None
+    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl, token_ids=hash_ids),
+                            x_bthd, f_post, f_comb, dt)
     window = tuple(new_win if i == layer_id else w for i, w in enumerate(cache["window"]))
     return x_bthd, f_pre, {"window": window, "sources": sources}
 
@@ -72,10 +77,13 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
                                         numerics=numerics))
         pos = positions_bt if layer_id <= last_source else upper_pos
         x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
-                                   numerics, parallel)
+                                   numerics, parallel, tokens_bt=tokens_bt)
         x_bthd = edge(x_bthd)
         if return_layer_states:
             states.append(x_bthd)
+    if cfg.has_hc_head:  # V4: the final collapse has its own learned mix
+        pre = hc_head.hc_head_pre(x_bthd, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
+                                  norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
     h = edge(rms_norm(mhc.pre_apply(x_bthd, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt))
     if return_layer_states:
         return h, cache, states

@@ -20,7 +20,8 @@ implementation; the fast ones round the probabilities to bf16 for the p.kv produ
 Implementations (same signature):
 
 * ``reference.sparse_sink_attention_reference`` — float32 HIGHEST-precision oracle (tests only).
-* ``xla.sparse_sink_attention_xla`` — gather + einsum; any platform, any shape; the prefill path.
+* ``xla.sparse_sink_attention_xla`` — gather + einsum; any platform, any shape. Batch-invariant on the
+  CPU; on the H200 only within one compiled shape (measured: bits change with B).
 * ``kernel.sparse_sink_attention_pallas`` — Mosaic GPU kernel for Hopper; decode and prefill alike
   (one CTA per token), ``D % 128 == 0``; batch-invariant for a fixed ``SparseAttentionConfig``.
 """
@@ -44,17 +45,25 @@ def sparse_sink_attention_pallas(*args, **kwargs):
     return impl(*args, **kwargs)
 
 
-def _on_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", None) == "9.0"
-
-
 def sparse_sink_attention(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: jax.Array, sink_h: jax.Array,
-                          scale: float, *, config: SparseAttentionConfig = SparseAttentionConfig()) -> jax.Array:
-    """The op (see module docstring): the Mosaic kernel on a CUDA backend when it supports the shape,
-    the XLA path everywhere else. The choice is a function of (backend, H, D, config) only, so it is the
-    same for every batch size."""
-    h, d = q_bthd.shape[-2:]
-    if _on_hopper() and kernel_unsupported_reason(h, d, config) is None:
-        return sparse_sink_attention_pallas(q_bthd, kv_bsd, idx_btk, sink_h, scale, config)
-    return sparse_sink_attention_xla(q_bthd, kv_bsd, idx_btk, sink_h, scale)
+                          scale: float, *, config: SparseAttentionConfig = SparseAttentionConfig(),
+                          impl: str | None = None, selection=None) -> jax.Array:
+    """The op (see module docstring), dispatched through ``pallas_kernels.registry``.
+
+    Automatic choice: the Mosaic kernel on a Hopper CUDA device when it supports (H, D, config), else the
+    XLA path -- a function of (platform, H, D, config) only, so the same for every batch size. ``impl`` /
+    ``selection`` force one; forcing the kernel on a shape it cannot run raises ``KernelUnavailableError``."""
+    from pallas_kernels.registry import AUTO, PALLAS_MOSAIC_GPU, XLA, KernelUnavailableError, resolve
+
+    selection = AUTO if selection is None else selection
+    op = "sparse_sink_attention"
+    chosen = resolve(op, impl=impl, selection=selection)
+    if chosen.name == PALLAS_MOSAIC_GPU:
+        h, d = q_bthd.shape[-2:]
+        if (why := kernel_unsupported_reason(h, d, config)) is not None:
+            if (impl or selection.impl_for(op)) is not None:
+                raise KernelUnavailableError(f"{op}: {PALLAS_MOSAIC_GPU!r} was requested but {why}")
+            chosen = resolve(op, impl=XLA)
+        else:
+            return chosen.load()(q_bthd, kv_bsd, idx_btk, sink_h, scale, config)
+    return chosen.load()(q_bthd, kv_bsd, idx_btk, sink_h, scale)

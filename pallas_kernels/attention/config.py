@@ -24,14 +24,21 @@ class SparseAttentionConfig:
     """split_rows: selected entries reduced by one CTA; more entries go to more CTAs whose partial
     softmax states are merged in a fixed order. One split (split_rows >= K) writes the output straight
     from the kernel; several splits add a float32 round trip of the partial outputs through HBM but
-    give the GPU more CTAs when the batch is small."""
+    give the GPU more CTAs. 320 (two splits of V4.1's 640 entries) was fastest on the H200 at decode
+    batch 64 (README.md)."""
 
-    split_rows: int = 640
+    split_rows: int = 320
+    #: Warpgroups issuing the row copies: 1 (measured on the H200) or 2 (halves the issue loop; passes
+    #: the CPU lowering but not yet timed on a GPU, and the Mosaic GPU interpreter can starve its four
+    #: warpgroup threads on a 2-core host, so the tests run it only where asked).
+    producer_warpgroups: int = 1
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
             raise ValueError(f"SparseAttentionConfig.split_rows={self.split_rows} must be a positive multiple of "
                              f"{BLOCK_ROWS}")
+        if self.producer_warpgroups not in (1, 2):
+            raise ValueError(f"SparseAttentionConfig.producer_warpgroups={self.producer_warpgroups} must be 1 or 2")
 
     def num_splits(self, k: int) -> int:
         return -(-k // self.split_rows)

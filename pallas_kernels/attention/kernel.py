@@ -2,9 +2,9 @@
 
 Layout of the work (D = head_dim, 64 heads = the wgmma M dimension):
 
-* warpgroups 2 and 3 (producers) copy the query [64, D] and the split's indices into shared memory,
-  then gather the selected kv rows with one TMA per row into two 32-row landing slots (one slot, one
-  producer, one consumer); an index of -1 fetches row 0, whose scores are masked later.
+* the producer warpgroup(s) (2, or 2 and 3) copy the query [64, D] and the split's indices into shared
+  memory, then gather the selected kv rows with one TMA per row into two 32-row landing slots (one per
+  consumer); an index of -1 fetches row 0, whose scores are masked later.
 * warpgroups 0 and 1 (consumers) each own 32 of the 64 rows of a block and D/2 output columns.
   Per block: copy its landing slot into the wgmma (tiled, swizzled) layout; s = q . kv for its 32 rows;
   exchange the per-head row maxima; p = exp(s - m); write p (bf16) to shared memory; p . kv over all
@@ -40,7 +40,7 @@ _HALF_ROWS = BLOCK_ROWS // 2
 
 
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
-           scale: float):
+           scale: float, n_producers: int):
     """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64]."""
     h, d = HEAD_GROUP, head_dim
     dh = d // 2                      # output columns per consumer warpgroup
@@ -144,12 +144,12 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         def _():
             consumer(1)
 
-        def producer(half: int):
-            # Each landing slot has its own producer warpgroup: Mosaic's copy_gmem_to_smem makes all 128
-            # threads of the issuing warpgroup arrive on the barrier for every row, so issuing the rows
-            # of one block from two warpgroups halves the (dominant) issue time.
-            plgpu.set_max_registers(24, action="decrease")
-            if half == 0:
+        def producer(halves: tuple[int, ...]):
+            # Mosaic's copy_gmem_to_smem makes all 128 threads of the issuing warpgroup arrive on the
+            # barrier for every row, which makes the row-issue loop the kernel's bottleneck; with two
+            # producer warpgroups each issues one landing slot's rows.
+            plgpu.set_max_registers(24 if n_producers == 2 else 40, action="decrease")
+            if 0 in halves:
                 for c in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[n, :, pl.ds(c * dh, dh)], q_smem.at[c], q_bar)
                 plgpu.copy_gmem_to_smem(idx_ref.at[n, split], idx_smem, idx_bar)
@@ -157,25 +157,32 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
 
             @pl.loop(0, n_blocks)
             def _(i):
-                @pl.when(i > 0)
-                def _():
-                    plgpu.barrier_wait(free.at[half])
-                for j in range(_HALF_ROWS):
-                    row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
-                    plgpu.copy_gmem_to_smem(kv_ref.at[batch, pl.ds(row, 1)], stage.at[half, pl.ds(j, 1)],
-                                            ready.at[half])
+                for half in halves:
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(free.at[half])
+                    for j in range(_HALF_ROWS):
+                        row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
+                        plgpu.copy_gmem_to_smem(kv_ref.at[batch, pl.ds(row, 1)], stage.at[half, pl.ds(j, 1)],
+                                                ready.at[half])
             # Observe the last phases so every barrier is quiescent when the kernel ends.
-            if half == 0:
+            if 0 in halves:
                 plgpu.barrier_wait(q_bar)
-            plgpu.barrier_wait(free.at[half])
+            for half in halves:
+                plgpu.barrier_wait(free.at[half])
 
-        @pl.when(wg == 2)
-        def _():
-            producer(0)
+        if n_producers == 1:
+            @pl.when(wg == 2)
+            def _():
+                producer((0, 1))
+        else:
+            @pl.when(wg == 2)
+            def _():
+                producer((0,))
 
-        @pl.when(wg == 3)
-        def _():
-            producer(1)
+            @pl.when(wg == 3)
+            def _():
+                producer((1,))
 
     tiles = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
     scratch = (
@@ -202,7 +209,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                       collective_axes="wg")
 
     return plgpu.kernel(entry, out_type=out_type, grid=(n_queries, n_splits), grid_names=("query", "split"),
-                        num_threads=4, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+                        num_threads=2 + n_producers, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
 def merge_splits(o_nshd: jax.Array, lse_nsh: jax.Array, sink_nh: jax.Array) -> jax.Array:
@@ -251,7 +259,8 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     idx = jnp.repeat(idx.reshape(b * t, kp), groups, axis=0)
     idx = idx.reshape(b * t * groups, n_splits, config.split_rows // BLOCK_ROWS, BLOCK_ROWS)
 
-    call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale))
+    call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
+                  config.producer_warpgroups)
     outs = call(q, kv_bsd, idx, sink)
     if n_splits == 1:
         o = outs[0]

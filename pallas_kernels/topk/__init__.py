@@ -20,6 +20,8 @@ from pallas_kernels.topk.xla import topk_indices_xla
 __all__ = ["topk_indices", "topk_indices_reference", "topk_indices_xla"]
 
 
-def topk_indices(scores_bts, k: int):
-    """The op (see module docstring)."""
-    return topk_indices_xla(scores_bts, k)
+def topk_indices(scores_bts, k: int, *, impl: str | None = None, selection=None):
+    """The op (see module docstring), dispatched through ``pallas_kernels.registry`` (XLA by default)."""
+    from pallas_kernels.registry import AUTO, resolve
+
+    return resolve("topk_indices", impl=impl, selection=AUTO if selection is None else selection).load()(scores_bts, k)

@@ -1,0 +1,385 @@
+"""GPU check and benchmark of ``pallas_kernels.grouped_gemm`` on a Hopper GPU (H200), in one process.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py        # writes $OUT/grouped_gemm_gpu.json
+
+Sections, in this order, each time-boxed (GG_BUDGET_S, default 170 s in all) and isolated (an error
+is recorded and the next section runs):
+1. ceilings: device-to-device copy bandwidth (bytes read + written) and a dense bf16 matmul rate;
+2. correctness at the V4.1-Flash expert shape (K=5120 hidden, N=2304 width, G=384): a sample of rows
+   against the float32 reference, every weight format, decode and prefill tilings;
+3. speed: decode (64 and 512 tokens x top-6) and prefill (8k and 32k tokens x top-6) per format, as
+   TFLOP/s of useful work, the ratio to a dense bf16 matmul of the same FLOPs, the kernel's share of
+   the op's time (the rest is the XLA plan / gather / transpose), and for decode the weight bytes per
+   second as a fraction of the measured copy bandwidth;
+4. bitwise batch invariance of a probe row (M in {1,2,3,5,8,33,64}; group sizes alone / uniform /
+   all in one expert / uneven) for the kernel, and the same check on ``jax.lax.ragged_dot`` and on a
+   plain dense dot as negative controls (they should report DIFFERS);
+5. jax's ``ragged_dot_mgpu`` example as a baseline where it imports and compiles in time.
+A compact table is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, SMEM_LIMIT_BYTES, WeightFormat, smem_bytes  # noqa: E402
+from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
+from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
+
+# GG_SHAPE="K,N,G" and GG_TOKENS="d1,d2,p1,p2" shrink the problem and GG_INTERPRET=1 runs the kernel in
+# the Mosaic GPU interpreter: a CPU smoke test of this script before spending device time.
+K_HIDDEN, N_WIDTH, G_EXPERTS = (int(v) for v in os.environ.get("GG_SHAPE", "5120,2304,384").split(","))
+TOP_K = 6
+TOKENS = tuple(int(v) for v in os.environ.get("GG_TOKENS", "64,512,8192,32768").split(","))
+PROBE_G = 11 % G_EXPERTS
+OUT = Path(os.environ.get("OUT", "/tmp"))
+BUDGET_S = float(os.environ.get("GG_BUDGET_S", "170"))
+T0 = time.time()
+RESULTS: dict = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "sections": {}}
+TABLE: list[str] = []
+
+
+def left() -> float:
+    return BUDGET_S - (time.time() - T0)
+
+
+def save():
+    (OUT / "grouped_gemm_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def section(name: str, need_s: float):
+    def deco(fn):
+        if left() < need_s:
+            RESULTS["sections"][name] = f"skipped: {left():.0f} s left, needs {need_s:.0f}"
+            print(f"[{name}] skipped ({left():.0f} s left)", flush=True)
+            return None
+        t = time.time()
+        try:
+            RESULTS["sections"][name] = fn()
+        except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+            RESULTS["sections"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            traceback.print_exc()
+        print(f"[{name}] {time.time() - t:.1f} s: {str(RESULTS['sections'][name])[:600]}", flush=True)
+        save()
+        return None
+    return deco
+
+
+def kernel_times_ms(f, *args, iters: int = 10):
+    """(total GPU ms per call, largest kernel's ms) by CUPTI; wall-clock fallback (total only)."""
+    jax.block_until_ready(f(*args))
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+        _, per_iter = profiler.measure(f, aggregate=False, iterations=iters)(*args)
+        totals = [sum(t for _, t in it) for it in per_iter]
+        biggest = [max(t for _, t in it) for it in per_iter]
+        return statistics.median(totals), statistics.median(biggest)
+    except Exception:  # noqa: BLE001
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / iters * 1e3, None
+
+
+def fit(cfg: GroupedMatmulConfig, fmt: WeightFormat) -> GroupedMatmulConfig:
+    """The same tiles with as many stages (<= cfg.stages) as fit in shared memory."""
+    import dataclasses
+    while smem_bytes(cfg, fmt, jnp.bfloat16) > SMEM_LIMIT_BYTES and cfg.stages > 2:
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+INTERPRET = os.environ.get("GG_INTERPRET") == "1"
+
+
+def decode_cfg(fmt):
+    return fit(GroupedMatmulConfig(block_m=32, block_n=128, block_k=128, stages=4, a_from_registers=not INTERPRET), fmt)
+
+
+def prefill_cfg(fmt, variant: str = "a"):
+    bk = 64 if fmt is WeightFormat.BF16 else 128
+    if variant == "a":
+        c = GroupedMatmulConfig(block_m=128, block_n=128, block_k=bk, stages=4, a_from_registers=not INTERPRET)
+    else:
+        c = GroupedMatmulConfig(block_m=64, block_n=256, block_k=bk, stages=4, a_from_registers=not INTERPRET)
+    return fit(c, fmt)
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+def make_weights(fmt: WeightFormat, key, g=G_EXPERTS, n=N_WIDTH, k=K_HIDDEN):
+    kw, ks = jax.random.split(key)
+    if fmt is WeightFormat.BF16:
+        return (jax.random.normal(kw, (g, n, k), jnp.bfloat16) * 0.05).astype(jnp.bfloat16), None
+    if fmt is WeightFormat.FP8:
+        w = (jax.random.normal(kw, (g, n, k), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+        return w, jax.random.randint(ks, (g, n // 32, k // 32), 118, 122).astype(jnp.uint8)
+    w = jax.random.bits(kw, (g, n, k // 2), jnp.uint8)
+    return w, jax.random.randint(ks, (g, n, k // 32), 118, 122).astype(jnp.uint8)
+
+
+def routing(key, tokens: int, g=G_EXPERTS, top_k=TOP_K):
+    """Distinct top-k experts per token from random scores -> group id per (token, k) pair [tokens*k]."""
+    return jnp.argsort(jax.random.uniform(key, (tokens, g)), axis=1)[:, :top_k].reshape(-1).astype(jnp.int32)
+
+
+def rows(key, m, k=K_HIDDEN):
+    return jax.random.normal(key, (m, k), jnp.bfloat16)
+
+
+WEIGHTS: dict = {}
+
+
+def weights(fmt):
+    if fmt not in WEIGHTS:       # all three stay resident: 2.3 + 4.5 + 9 GB
+        WEIGHTS[fmt] = jax.block_until_ready(make_weights(fmt, jax.random.key(1)))
+    return WEIGHTS[fmt]
+
+
+def wbytes(fmt, n_experts):
+    per = N_WIDTH * K_HIDDEN * fmt.weight_bits // 8
+    if fmt is not WeightFormat.BF16:
+        per += N_WIDTH * K_HIDDEN // 32
+    return per * n_experts
+
+
+def bits(a):
+    a = np.asarray(jax.device_get(a))
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _interpret_context():
+    import contextlib
+    if os.environ.get("GG_INTERPRET") != "1":
+        return contextlib.nullcontext()
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=8))))
+    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
+    return stack
+
+
+# ---- sections ---------------------------------------------------------------------------------------
+
+_INTERPRET_STACK = _interpret_context()   # kept referenced: a collected context manager would exit
+_INTERPRET_STACK.__enter__()              # (CPU smoke test: every kernel call below is interpreted)
+
+CEIL: dict = {}
+
+
+@section("ceilings", 20)
+def _():
+    a = jnp.ones((1 << 30,), jnp.float32)                  # 4 GiB
+    ms, _ = kernel_times_ms(jax.jit(lambda v: v + 1.0), a)
+    CEIL["copy_tb_s"] = 2 * a.nbytes / (ms * 1e-3) / 1e12
+    del a
+    m = TOKENS[3] * TOP_K
+    x = rows(jax.random.key(2), m)
+    wt = jax.random.normal(jax.random.key(3), (K_HIDDEN, N_WIDTH), jnp.bfloat16)
+    ms, _ = kernel_times_ms(jax.jit(lambda p, q: p @ q), x, wt)
+    CEIL["dense_tflops_prefill32k"] = 2 * m * K_HIDDEN * N_WIDTH / (ms * 1e-3) / 1e12
+    TABLE.append(f"copy bandwidth {CEIL['copy_tb_s']:.2f} TB/s; dense bf16 [{m}x{K_HIDDEN}]x[{K_HIDDEN}x{N_WIDTH}] "
+                 f"{CEIL['dense_tflops_prefill32k']:.0f} TFLOP/s")
+    return dict(CEIL)
+
+
+def dense_tflops(m):
+    x = rows(jax.random.key(2), m)
+    wt = jax.random.normal(jax.random.key(3), (K_HIDDEN, N_WIDTH), jnp.bfloat16)
+    ms, _ = kernel_times_ms(jax.jit(lambda p, q: p @ q), x, wt)
+    return 2 * m * K_HIDDEN * N_WIDTH / (ms * 1e-3) / 1e12
+
+
+def check_rows(fmt, y, x, gid, sample):
+    w, s = weights(fmt)
+    want = grouped_matmul_reference(x[sample], w, gid[sample], s)
+    got = y[sample].astype(jnp.float32)
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    worst = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    return rel, worst
+
+
+@section("correctness", 30)
+def _():
+    out = {}
+    m = TOKENS[1] * TOP_K
+    x = rows(jax.random.key(4), m)
+    gid = routing(jax.random.key(5), TOKENS[1])
+    gid = gid.at[:7].set(-1)                                  # dropped rows must come back as zeros
+    sample = jnp.arange(0, m, max(1, m // 40))
+    for fmt in (WeightFormat.FP4, WeightFormat.FP8, WeightFormat.BF16):
+        w, s = weights(fmt)
+        for name, cfg in (("decode_cfg", decode_cfg(fmt)), ("prefill_cfg", prefill_cfg(fmt))):
+            y = grouped_matmul_pallas(x, w, gid, s, config=cfg)
+            rel, worst = check_rows(fmt, y, x, gid, sample)
+            zeros_ok = bool(jnp.all(y[:7] == 0))
+            out[f"{fmt.value}/{name}"] = dict(rel_fro=rel, max_rel=worst, dropped_rows_zero=zeros_ok)
+            TABLE.append(f"correct {fmt.value:4s} {name:11s} rel.fro {rel:.2e} max {worst:.2e} dropped->0 {zeros_ok}")
+    return out
+
+
+def invariance_cases(key, probe_x, probe_g):
+    """(name, x, gid, probe position) with the probe row among different neighbours and group sizes."""
+    cases = []
+    for i, m in enumerate((2, 3, 5, 8, 33, 64)):
+        kx, kg = jax.random.split(jax.random.fold_in(key, i))
+        x = rows(kx, m)
+        gid = jax.random.randint(kg, (m,), 0, G_EXPERTS).astype(jnp.int32)
+        p = m // 2
+        cases.append((f"M={m}", x.at[p].set(probe_x), gid.at[p].set(probe_g), p))
+    kx = jax.random.fold_in(key, 100)
+    m = 4 * G_EXPERTS
+    cases.append(("uniform 4/expert", rows(kx, m).at[5].set(probe_x),
+                   (jnp.arange(m, dtype=jnp.int32) % G_EXPERTS).at[5].set(probe_g), 5))
+    cases.append(("all 64 in one", rows(kx, 64).at[40].set(probe_x), jnp.full((64,), probe_g, jnp.int32), 40))
+    gid = jnp.concatenate([jnp.full((150,), probe_g, jnp.int32),
+                           jax.random.randint(kx, (150,), 0, 5).astype(jnp.int32)])
+    cases.append(("uneven 150+150", rows(kx, 300).at[77].set(probe_x), gid, 77))
+    return cases
+
+
+@section("speed", 40)
+def _():
+    out = {}
+    ceil_copy = CEIL.get("copy_tb_s")
+    for fmt in (WeightFormat.FP4, WeightFormat.BF16, WeightFormat.FP8):
+        w, s = weights(fmt)
+        for phase, tokens in zip(("decode", "decode", "prefill", "prefill"), TOKENS):
+            if left() < 15:
+                out[f"{fmt.value}/{phase}{tokens}"] = "skipped (time)"
+                continue
+            m = tokens * TOP_K
+            gid = routing(jax.random.key(tokens), tokens)
+            x = rows(jax.random.key(tokens + 1), m)
+            cfg = decode_cfg(fmt) if phase == "decode" else prefill_cfg(fmt)
+            f = lambda x, g, w=w, s=s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, config=cfg)  # noqa: E731
+            total_ms, kern_ms = kernel_times_ms(f, x, gid)
+            flops = 2 * m * N_WIDTH * K_HIDDEN
+            dense = dense_tflops(m)
+            rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms,
+                       op_tflops=flops / (total_ms * 1e-3) / 1e12, dense_tflops=dense)
+            line = f"{fmt.value:4s} {phase:7s} {tokens:6d}x6  op {total_ms:7.3f} ms {rec['op_tflops']:6.1f} TF/s"
+            if kern_ms:
+                rec["kernel_tflops"] = flops / (kern_ms * 1e-3) / 1e12
+                rec["kernel_vs_dense"] = rec["kernel_tflops"] / dense
+                line += f" | kernel {kern_ms:7.3f} ms {rec['kernel_tflops']:6.1f} TF/s = {rec['kernel_vs_dense']:.2f} of dense"
+            if phase == "decode":
+                active = int(jnp.unique(gid).shape[0])
+                rec["active_experts"] = active
+                t = (kern_ms or total_ms) * 1e-3
+                rec["weight_tb_s"] = wbytes(fmt, active) / t / 1e12
+                if ceil_copy:
+                    rec["hbm_fraction"] = rec["weight_tb_s"] / ceil_copy
+                    line += f" | weights {rec['weight_tb_s']:.2f} TB/s = {rec['hbm_fraction']:.2f} of copy"
+            out[f"{fmt.value}/{phase}{tokens}"] = rec
+            TABLE.append(line)
+            save()
+        if fmt is WeightFormat.FP4 and left() > 30:     # a second prefill tiling, for the record
+            tokens = TOKENS[2]
+            m = tokens * TOP_K
+            gid = routing(jax.random.key(tokens), tokens)
+            x = rows(jax.random.key(tokens + 1), m)
+            for fm in (WeightFormat.FP4,):
+                cfg = prefill_cfg(fm, "b")
+                f = lambda x, g, cfg=cfg: grouped_matmul_pallas(x, w, g, s, config=cfg)  # noqa: E731
+                total_ms, kern_ms = kernel_times_ms(f, x, gid)
+                out[f"{fm.value}/prefill{tokens}/variant_b"] = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms)
+                TABLE.append(f"{fm.value:4s} prefill {tokens:6d}x6  variant b ({cfg.block_m}x{cfg.block_n}x{cfg.block_k}) "
+                             f"op {total_ms:.3f} ms kernel {kern_ms} ms")
+    return out
+
+
+def _ragged_dot_rows(x, g, w_gnk):
+    order = jnp.argsort(g, stable=True)
+    sizes = jnp.zeros((w_gnk.shape[0],), jnp.int32).at[g].add(1)
+    y = jax.lax.ragged_dot(x[order], jnp.swapaxes(w_gnk, 1, 2), sizes)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+@section("invariance", 60)
+def _():
+    out = {}
+    key = jax.random.key(6)
+    probe_x = rows(jax.random.key(7), 1)[0]
+    probe_g = jnp.int32(PROBE_G)
+    cases = invariance_cases(key, probe_x, probe_g)
+    few = [c for c in cases if c[0] in ("M=5", "all 64 in one", "uneven 150+150")]   # fewer compiles
+
+    def run_check(label, fn, cases=cases):
+        alone = bits(fn(probe_x[None], probe_g[None])[0])
+        bad = [name for name, x, gid, p in cases if not np.array_equal(bits(fn(x, gid)[p]), alone)]
+        out[label] = "bitwise identical in all cases" if not bad else f"DIFFERS in {bad}"
+        TABLE.append(f"invariance {label:34s} {out[label]}")
+        RESULTS["sections"]["invariance (partial)"] = dict(out)
+        save()
+        return alone
+
+    for fmt in (WeightFormat.FP4, WeightFormat.BF16, WeightFormat.FP8):
+        if left() < 25:
+            out[fmt.value] = "skipped (time)"
+            continue
+        w, s = weights(fmt)
+        cfg = decode_cfg(fmt)
+        alone = run_check(f"kernel {fmt.value} decode_cfg",
+                          lambda x, g, w=w, s=s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, config=cfg),
+                          cases if fmt is WeightFormat.FP4 else few)
+        other = bits(grouped_matmul_pallas(probe_x[None], w, probe_g[None], s, config=prefill_cfg(fmt))[0])
+        out[f"{fmt.value} decode_cfg vs prefill_cfg"] = bool(np.array_equal(alone, other))
+        TABLE.append(f"invariance kernel {fmt.value} decode vs prefill config bitwise equal: {out[f'{fmt.value} decode_cfg vs prefill_cfg']}")
+        if fmt is WeightFormat.BF16 and left() > 20:
+            # The weights go in as arguments: a closure would bake 9 GB of constants into the HLO
+            # (that stalled the first H200 run in lowering).
+            ragged = jax.jit(_ragged_dot_rows)
+            run_check("negative control lax.ragged_dot", lambda x, g: ragged(x, g, w), few)
+            dense = jax.jit(lambda x, w_nk: (x @ w_nk.T).astype(jnp.bfloat16))
+            run_check("negative control dense x@W[probe]", lambda x, g: dense(x, w[PROBE_G]))
+    return out
+
+
+@section("ragged_dot_mgpu", 40)
+def _():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    out = {}
+    w, _ = weights(WeightFormat.BF16)
+    for tokens in TOKENS[1:3]:
+        if left() < 20:
+            break
+        m = tokens * TOP_K
+        gid = jnp.sort(routing(jax.random.key(tokens), tokens))
+        sizes = jnp.zeros((G_EXPERTS,), jnp.int32).at[gid].add(1)
+        x = rows(jax.random.key(tokens + 1), m)
+        f = jax.jit(lambda x, w, s: ragged_dot_mgpu.ragged_dot(
+            x, w, group_sizes=s, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2,
+            transpose_rhs=True))
+        t = time.time()
+        total_ms, kern_ms = kernel_times_ms(f, x, w, sizes, iters=5)
+        tf = 2 * m * N_WIDTH * K_HIDDEN / (total_ms * 1e-3) / 1e12
+        out[f"bf16/{tokens}"] = dict(ms=total_ms, tflops=tf, first_call_s=time.time() - t)
+        TABLE.append(f"jax ragged_dot_mgpu bf16 {tokens:6d}x6  {total_ms:7.3f} ms {tf:6.1f} TF/s "
+                     f"(first call {time.time() - t:.0f} s)")
+    return out
+
+
+save()
+print("\n==== grouped_gemm_gpu summary ({:.0f} s) ====".format(time.time() - T0))
+print(RESULTS["device"], "jax", RESULTS["jax"])
+for line in TABLE:
+    print(line)
+_INTERPRET_STACK.close()

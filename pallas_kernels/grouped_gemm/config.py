@@ -1,0 +1,136 @@
+"""Tuning config for the grouped-GEMM kernel and the input checks shared by every implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
+
+SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
+_BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
+
+
+class WeightFormat(enum.Enum):
+    """How the per-expert weights are stored (told apart by dtype and scale shape)."""
+
+    BF16 = "bf16"   # w bf16 [G, N, K]
+    FP8 = "fp8"     # w float8_e4m3fn [G, N, K], E8M0 32x32 block scales [G, N/32, K/32]
+    FP4 = "fp4"     # w uint8 [G, N, K/2] packed E2M1, E8M0 1x32 scales [G, N, K/32]
+
+    @property
+    def weight_bits(self) -> int:
+        return {"bf16": 16, "fp8": 8, "fp4": 4}[self.value]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Fixed tile shapes. A token row's result depends on its x row, its expert and this config only.
+
+    block_m: token rows per tile (the wgmma N dimension, since the kernel computes y^T = W . x^T);
+        each group is padded to a multiple of it. Multiple of 8, at most 256.
+    block_n: weight rows (output columns) per CTA, split across the two consumer warpgroups;
+        multiple of 128.
+    block_k: K elements per pipeline step; multiple of 64.
+    stages: shared-memory pipeline depth (TMA copies in flight per CTA).
+    a_from_registers: FP8/FP4 only: feed the dequantized weights to wgmma from registers (True) or
+        stage each 32-column block through shared memory first (False; slower, but the form the
+        Mosaic GPU interpreter can run, whose wgmma reads shared memory only).
+    xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    stages: int = 4
+    a_from_registers: bool = True
+    xla_block_m: int = 8
+
+    def __post_init__(self):
+        if self.block_m % 8 or not 8 <= self.block_m <= 256:
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
+        if self.block_n % 128 or self.block_n <= 0:
+            raise ValueError(f"block_n={self.block_n} must be a positive multiple of 128 "
+                             "(two consumer warpgroups of 64-row wgmma tiles)")
+        if self.block_k % 64 or self.block_k <= 0:
+            raise ValueError(f"block_k={self.block_k} must be a positive multiple of 64")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2 to overlap copies with compute")
+        if self.xla_block_m < 1:
+            raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
+
+
+def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:
+    """Shared memory the kernel allocates for this config (pipeline slots + epilogue tiles)."""
+    x_tile = cfg.block_m * cfg.block_k * 2
+    w_tile = cfg.block_n * cfg.block_k * fmt.weight_bits // 8
+    s_tile = 0 if fmt is WeightFormat.BF16 else (cfg.block_k // SCALE_BLOCK) * cfg.block_n
+    out_tile = cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
+    a_stage = cfg.block_n * SCALE_BLOCK * 2 if (fmt is not WeightFormat.BF16 and not cfg.a_from_registers) else 0
+    return cfg.stages * (x_tile + w_tile + s_tile) + out_tile + a_stage + _BARRIER_SLACK
+
+
+def weight_format(w, w_scale) -> WeightFormat:
+    """Which format (w, w_scale) is, or a ValueError that names the offending array."""
+    if w.ndim != 3:
+        raise ValueError(f"w must be [G, N, K] (or [G, N, K/2] packed FP4), got shape {w.shape}")
+    if w_scale is None:
+        if w.dtype != jnp.bfloat16:
+            raise ValueError(f"w has dtype {w.dtype} but no w_scale: unscaled weights must be bfloat16")
+        return WeightFormat.BF16
+    if w.dtype == jnp.uint8:
+        return WeightFormat.FP4
+    if w.dtype == jnp.float8_e4m3fn:
+        return WeightFormat.FP8
+    raise ValueError(f"w with a w_scale must be uint8 (packed FP4) or float8_e4m3fn, got {w.dtype}")
+
+
+def check_inputs(x_mk, w, group_ids_m, w_scale) -> tuple[WeightFormat, int, int, int]:
+    """Shape/dtype checks for ``grouped_matmul`` -> (format, G, N, K) with K the logical (unpacked) K."""
+    fmt = weight_format(w, w_scale)
+    if x_mk.ndim != 2:
+        raise ValueError(f"x_mk must be [M, K], got shape {x_mk.shape}")
+    if x_mk.dtype != jnp.bfloat16:
+        raise ValueError(f"x_mk must be bfloat16, got {x_mk.dtype}")
+    if group_ids_m.shape != (x_mk.shape[0],):
+        raise ValueError(f"group_ids_m must be [M] = [{x_mk.shape[0]}], got shape {group_ids_m.shape}")
+    if not jnp.issubdtype(group_ids_m.dtype, jnp.integer):
+        raise ValueError(f"group_ids_m must be an integer array, got {group_ids_m.dtype}")
+    g, n, kw = w.shape
+    k = kw * 2 if fmt is WeightFormat.FP4 else kw
+    if x_mk.shape[1] != k:
+        raise ValueError(f"x_mk has K={x_mk.shape[1]} but w {w.shape} ({fmt.value}) has K={k}")
+    if fmt is not WeightFormat.BF16:
+        if w_scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
+            raise ValueError(f"w_scale must be E8M0 (uint8 or float8_e8m0fnu), got {w_scale.dtype}")
+        if k % SCALE_BLOCK:
+            raise ValueError(f"K={k} must be a multiple of {SCALE_BLOCK} for block-scaled weights")
+        if fmt is WeightFormat.FP8:
+            if n % SCALE_BLOCK:
+                raise ValueError(f"N={n} must be a multiple of {SCALE_BLOCK} for FP8 32x32 block scales")
+            want = (g, n // SCALE_BLOCK, k // SCALE_BLOCK)
+        else:
+            want = (g, n, k // SCALE_BLOCK)
+        if tuple(w_scale.shape) != want:
+            raise ValueError(f"w_scale for {fmt.value} weights {w.shape} must be {want}, got {w_scale.shape}")
+    return fmt, g, n, k
+
+
+def kernel_unsupported_reason(n: int, k: int, fmt: WeightFormat, cfg: GroupedMatmulConfig,
+                              out_dtype=jnp.bfloat16) -> str | None:
+    """Why the Mosaic GPU kernel cannot run this problem with this config, or None if it can."""
+    if n % cfg.block_n:
+        return f"N={n} is not a multiple of block_n={cfg.block_n}"
+    if k % cfg.block_k:
+        return f"K={k} is not a multiple of block_k={cfg.block_k}"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"out_dtype {out_dtype} is not bfloat16 or float32"
+    if cfg.block_m * jnp.dtype(out_dtype).itemsize < 32:
+        return (f"block_m={cfg.block_m} gives {cfg.block_m * jnp.dtype(out_dtype).itemsize}-byte output rows; "
+                "the TMA store needs >= 32 (a 32-byte swizzle)")
+    used = smem_bytes(cfg, fmt, out_dtype)
+    if used > SMEM_LIMIT_BYTES:
+        return f"config needs {used} B of shared memory, more than the {SMEM_LIMIT_BYTES} B a CTA may use"
+    return None

@@ -1,0 +1,273 @@
+"""Mosaic GPU (Hopper) grouped GEMM for MoE experts: y^T tile = W[g] tile . x tile^T, one group per tile.
+
+Work layout. The tile plan (``plan.py``) sorts token rows by expert and pads each expert to a multiple
+of ``block_m`` rows, so tile t belongs to one expert ``tile_group[t]`` (-1 = unused tile, skipped).
+CTA (n, t) computes output columns [n*block_n, (n+1)*block_n) of tile t's rows:
+
+* warpgroup 2 (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the weight
+  tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes) and, for the quantized
+  formats, the step's E8M0 scale bytes [block_k/32, block_n], with TMA into a ``stages``-deep ring.
+* warpgroups 0 and 1 (consumers) each own block_n/2 weight rows. The weights are the wgmma A
+  operand (the M side: 64-row granules) and the tokens the B operand (N side: any multiple of 8),
+  so a decode tile of a few tokens wastes little tensor-core work. bf16 weights feed wgmma from
+  shared memory; FP8/FP4 are dequantized per 32-column scale block into registers (value x 2^(b-127),
+  exact in bf16) and fed to wgmma as a register A operand.
+* the f32 accumulator [block_n/2, block_m] is the transposed output tile; it is stored to y^T
+  [N, T*block_m] with TMA, and the wrapper transposes and un-permutes.
+
+Invariance: the K loop runs in a fixed order of 16-wide wgmma steps into one f32 accumulator; there is
+no split-K and nothing depends on M, on the group sizes, or on where a row sits in its tile.
+
+FP4 columns: byte j of a row holds elements 2j (low nibble) and 2j+1 (high nibble). The kernel decodes
+a 32-element scale block as [16 low nibbles, 16 high nibbles], i.e. in the K order
+(0, 2, ..., 30, 1, 3, ..., 31); the wrapper permutes x's columns the same way, which leaves the dot
+product unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
+                                                kernel_unsupported_reason)
+from pallas_kernels.grouped_gemm.plan import bucketed_tiles, gather_rows, make_tile_plan, scatter_back
+from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
+
+_HALF = SCALE_BLOCK // 2
+
+
+def _tiled(swizzle_bytes: int, itemsize: int):
+    return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
+
+
+def _e8m0_row_to_f32(s_u8):
+    """E8M0 bytes -> 2^(b-127) as float32 by placing b in the exponent field (b=0 gives 0, b=255 inf)."""
+    return lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _fp4_nibble_to_f32(nib):
+    """E2M1 code (int32 0..15, sign in bit 3) -> its value, with float arithmetic only (no table lookup).
+
+    For the magnitude code c in 0..7: 0.5c + 0.5 max(c-4, 0) + max(c-6, 0) = 0,.5,1,1.5,2,3,4,6."""
+    c = (nib & 7).astype(jnp.float32)
+    mag = 0.5 * c + 0.5 * jnp.maximum(c - 4.0, 0.0) + jnp.maximum(c - 6.0, 0.0)
+    sign = 1.0 - 2.0 * (nib >> 3).astype(jnp.float32)
+    return mag * sign
+
+
+def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype):
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    wg_rows = bn // 2
+    n_steps = k // bk
+    quant = fmt is not WeightFormat.BF16
+    bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
+    x_swizzle = 64 if quant else 128      # quantized: B is sliced per 32-column scale block
+    x_transforms = _tiled(x_swizzle, 2)
+    w_dtype = {WeightFormat.BF16: jnp.bfloat16, WeightFormat.FP8: jnp.float8_e4m3fn,
+               WeightFormat.FP4: jnp.uint8}[fmt]
+    w_transforms = _tiled(128, 2) if not quant else ()
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(bm * out_itemsize * 8, "out")
+    out_transforms = _tiled(out_swizzle, out_itemsize)
+    copies_per_step = 3 if quant else 2
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def dequant_block(w_smem, s_smem, slot, rows, c):
+        """[wg_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order)."""
+        scale = _e8m0_row_to_f32(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False))
+        scale = lax.broadcast_in_dim(scale, (wg_rows, SCALE_BLOCK), [0])
+        if fmt is WeightFormat.FP8:
+            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)],
+                           layout=plgpu.Layout.WGMMA, optimized=False)
+            vals = q.astype(jnp.float16).astype(jnp.float32)
+        else:
+            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
+                           layout=plgpu.Layout.WGMMA, optimized=False)
+            q = q.astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
+            vals = jnp.concatenate([_fp4_nibble_to_f32(q & 15), _fp4_nibble_to_f32(q >> 4)], axis=1)
+        return (vals * scale).astype(jnp.bfloat16)
+
+    def body(tile_group_ref, x_ref, w_ref, *rest):
+        if quant:
+            s_ref, yt_ref, scratch = rest[0], rest[1], rest[2:]
+        else:
+            s_ref, yt_ref, scratch = None, rest[0], rest[1:]
+        (x_smem, w_smem, s_smem, a_smem, o_smem), (full, empty) = scratch
+        nt = lax.axis_index("n")
+        t = lax.axis_index("t")
+        wg = lax.axis_index("wg")
+        grp = tile_group_ref[t]
+        m_rows = pl.ds(t * bm, bm)
+
+        def producer():
+            plgpu.set_max_registers(40, action="decrease")
+            n_rows = pl.ds(nt * bn, bn)
+
+            @pl.loop(0, n_steps)
+            def _(i):
+                slot = lax.rem(i, stages)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+                plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)], w_smem.at[slot],
+                                        full.at[slot])
+                if quant:
+                    plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * (bk // SCALE_BLOCK), bk // SCALE_BLOCK),
+                                                     n_rows], s_smem.at[slot], full.at[slot])
+            # Observe each slot's last release so no barrier is mid-phase when the CTA exits.
+            for s in range(min(stages, n_steps)):
+                plgpu.barrier_wait(empty.at[s])
+
+        def consumer(half: int):
+            plgpu.set_max_registers(232, action="increase")
+            rows = pl.ds(half * wg_rows, wg_rows)
+
+            def acc_scope(acc_ref):
+                @pl.loop(0, n_steps)
+                def _(i):
+                    slot = lax.rem(i, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    if quant:
+                        for c in range(bk // SCALE_BLOCK):
+                            a = dequant_block(w_smem, s_smem, slot, rows, c)
+                            if not cfg.a_from_registers:
+                                a_smem.at[half][...] = a
+                                plgpu.commit_smem()
+                                a = a_smem.at[half]
+                            plgpu.wgmma(acc_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                            plgpu.wgmma_wait(0)   # the next block overwrites a
+                    else:
+                        plgpu.wgmma(acc_ref, w_smem.at[slot, rows], x_smem.at[slot].T)
+                        plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[slot])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+            o_smem.at[half][...] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[half], yt_ref.at[pl.ds(nt * bn + half * wg_rows, wg_rows), m_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(grp >= 0)
+        def _():
+            @pl.when(wg == 0)
+            def _():
+                consumer(0)
+
+            @pl.when(wg == 1)
+            def _():
+                consumer(1)
+
+            @pl.when(wg == 2)
+            def _():
+                producer()
+
+    s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
+    a_staged = quant and not cfg.a_from_registers
+    a_shape = (2, wg_rows, SCALE_BLOCK) if a_staged else (1, 8, 32)      # dequantized A, staged in SMEM
+    scratch = (
+        (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
+         plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
+         plgpu.SMEM(s_shape, jnp.uint8),
+         plgpu.SMEM(a_shape, jnp.bfloat16, transforms=_tiled(64, 2)),
+         plgpu.SMEM((2, wg_rows, bm), out_dtype, transforms=out_transforms)),
+        (plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+    )
+
+    def entry(*refs):
+        n_in = 4 if quant else 3
+        ins, outs = refs[:n_in], refs[n_in:]
+        pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((n, num_tiles * bm), out_dtype),
+                        grid=(n // bn, num_tiles), grid_names=("n", "t"), num_threads=3, thread_name="wg")
+
+
+def fp4_k_permutation(k: int) -> jax.Array:
+    """Column order the kernel uses for FP4: per 32-block, the even elements then the odd ones.
+
+    Kernel column blk*32 + p*16 + i holds element blk*32 + 2i + p."""
+    blk = jnp.arange(k // SCALE_BLOCK, dtype=jnp.int32)[:, None, None] * SCALE_BLOCK
+    par = jnp.arange(2, dtype=jnp.int32)[None, :, None]
+    i = jnp.arange(_HALF, dtype=jnp.int32)[None, None, :]
+    return (blk + 2 * i + par).reshape(k)
+
+
+def kernel_scales(w_scale: jax.Array, fmt: WeightFormat, n: int) -> jax.Array:
+    """Checkpoint scales -> the kernel's layout uint8 [G, K/32, N] (one byte per weight row and K block).
+
+    FP4 [G, N, K/32] is transposed; FP8 [G, N/32, K/32] is repeated over the 32 rows of each block.
+    Weight-load time is the place for this (``prepare_kernel_scales``); done per call it costs one
+    pass over the scales (1/16 of the FP4 weight bytes)."""
+    s = lax.bitcast_convert_type(w_scale, jnp.uint8) if w_scale.dtype == jnp.float8_e8m0fnu else w_scale
+    if fmt is WeightFormat.FP8:
+        s = jnp.repeat(s, SCALE_BLOCK, axis=1)[:, :n]
+    return jnp.swapaxes(s, 1, 2)
+
+
+def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array, w_scale: jax.Array | None = None,
+                          *, out_dtype=jnp.bfloat16, config: GroupedMatmulConfig = GroupedMatmulConfig(),
+                          scales_prepared: bool = False) -> jax.Array:
+    """-> y_mn [M, N]. Same contract as ``pallas_kernels.grouped_gemm.grouped_matmul``.
+
+    scales_prepared: w_scale is already in the kernel layout [G, K/32, N] (``kernel_scales``).
+
+    Not jitted as a whole on purpose: the plan, the kernel and the un-permute are three jitted
+    functions, so eager callers (tests, benchmarks) reuse one compiled kernel for every M whose tile
+    count falls in the same power-of-two bucket. Inside a caller's jit it all inlines as usual."""
+    if scales_prepared:
+        fmt = WeightFormat.FP4 if w.dtype == jnp.uint8 else WeightFormat.FP8
+        g, n, kw = w.shape
+        k = kw * 2 if fmt is WeightFormat.FP4 else kw
+        if w_scale is None or tuple(w_scale.shape) != (g, k // SCALE_BLOCK, n):
+            raise ValueError(f"prepared w_scale must be [G, K/32, N] = {(g, k // SCALE_BLOCK, n)}, "
+                             f"got {None if w_scale is None else w_scale.shape}")
+        s_kernel = w_scale
+    else:
+        fmt, g, n, k = check_inputs(x_mk, w, group_ids_m, w_scale)
+        s_kernel = None if fmt is WeightFormat.BF16 else _kernel_scales_jit(w_scale, fmt=fmt, n=n)
+    if (why := kernel_unsupported_reason(n, k, fmt, config, out_dtype)) is not None:
+        raise ValueError(f"grouped_matmul_pallas cannot run this problem: {why}")
+    m = x_mk.shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    num_tiles = bucketed_tiles(m, g, config.block_m)
+    plan, x_pk = _plan_and_gather(x_mk, group_ids_m, num_groups=g, block_m=config.block_m, num_tiles=num_tiles,
+                                  fp4=fmt is WeightFormat.FP4)
+    y_np = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    return _unpermute(y_np, plan, out_dtype=out_dtype)
+
+
+_kernel_scales_jit = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4"))
+def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4):
+    plan = make_tile_plan(group_ids_m, num_groups, block_m, num_tiles)
+    x_pk = gather_rows(x_mk, plan)
+    if fp4:
+        x_pk = jnp.take(x_pk, fp4_k_permutation(x_pk.shape[1]), axis=1)
+    return plan, x_pk
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _unpermute(y_np, plan, *, out_dtype):
+    return scatter_back(y_np.T, plan, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))
+def _run_kernel(tile_group, x_pk, w, s_kernel, *, fmt, config, out_dtype):
+    """The kernel alone: tile_group [T], x_pk [T*block_m, K] -> y^T [N, T*block_m]."""
+    n = w.shape[1]
+    call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype)
+    args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,))
+    return call(*args)

@@ -1,0 +1,91 @@
+"""Tile plan: which padded row each token row goes to, and which group each fixed-size tile belongs to.
+
+Rows are stably sorted by group id; each group's rows are padded up to a multiple of ``block_m``, so
+every tile of ``block_m`` padded rows holds rows of exactly one group (no tile straddles two groups,
+and no group is special-cased by its size). The metadata is plain XLA: O(M log M + G) work, no
+Python loop over groups, computed once per step and shared by every layer that uses the same routing.
+
+Shapes are static: ``max_tiles(M, G, block_m)`` bounds the number of non-empty tiles for any routing,
+and tiles past the used ones carry group -1 (the consumers skip them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def max_tiles(m: int, num_groups: int, block_m: int) -> int:
+    """Upper bound on sum_g ceil(rows_g / block_m) over every split of m rows into num_groups groups.
+
+    With k non-empty groups the sum is at most k + (m - k) // block_m, largest at k = min(G, m)."""
+    if m <= 0:
+        return 0
+    k = min(num_groups, m)
+    return k + (m - k) // block_m
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """row_src [T*bm] int32: the token row held by each padded row (M = padding, reads as zeros).
+    tile_group [T] int32: the group of each tile, -1 for unused tiles.
+    dest_m [M] int32: the padded row of each token row (0 for rows with an out-of-range group).
+    valid_m [M] bool: the row's group id is in [0, G)."""
+
+    row_src: jax.Array
+    tile_group: jax.Array
+    dest_m: jax.Array
+    valid_m: jax.Array
+
+
+def bucketed_tiles(m: int, num_groups: int, block_m: int) -> int:
+    """max_tiles rounded up to a power of two (at least 8): the kernel's grid, so that nearby M share
+    one compiled kernel. Tiles past the used ones exit at once."""
+    t = max_tiles(m, num_groups, block_m)
+    return max(8, 1 << (t - 1).bit_length()) if t else 0
+
+
+def make_tile_plan(group_ids_m: jax.Array, num_groups: int, block_m: int, num_tiles: int | None = None) -> TilePlan:
+    """Plan for token rows routed to ``group_ids_m`` (any order; ids outside [0, G) are dropped).
+
+    num_tiles: the static tile count (>= max_tiles); default max_tiles."""
+    m = group_ids_m.shape[0]
+    t = max_tiles(m, num_groups, block_m)
+    if num_tiles is not None:
+        if num_tiles < t:
+            raise ValueError(f"num_tiles={num_tiles} is below the {t} tiles {m} rows may need")
+        t = num_tiles
+    gid = group_ids_m.astype(jnp.int32)
+    valid = (gid >= 0) & (gid < num_groups)
+    key = jnp.where(valid, gid, num_groups)                       # invalid rows sort last
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    counts = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles, dtype=jnp.int32)
+    row_end = jnp.cumsum(counts, dtype=jnp.int32)
+    g_sorted = jnp.minimum(sorted_key, num_groups - 1)
+    rank = jnp.arange(m, dtype=jnp.int32) - (row_end - counts)[g_sorted]
+    pos = (tile_end - tiles)[g_sorted] * block_m + rank
+    sorted_valid = sorted_key < num_groups
+    pos = jnp.where(sorted_valid, pos, t * block_m)               # out of range: dropped below
+    row_src = jnp.full((t * block_m,), m, jnp.int32).at[pos].set(order, mode="drop")
+    dest = jnp.zeros((m,), jnp.int32).at[order].set(jnp.where(sorted_valid, pos, 0))
+    tile_ids = jnp.arange(t, dtype=jnp.int32)
+    tile_group = jnp.searchsorted(tile_end, tile_ids, side="right").astype(jnp.int32)
+    tile_group = jnp.where(tile_ids < tile_end[-1], tile_group, -1)
+    return TilePlan(row_src=row_src, tile_group=tile_group, dest_m=dest, valid_m=valid)
+
+
+def gather_rows(x_mk: jax.Array, plan: TilePlan) -> jax.Array:
+    """x_mk [M, K] -> padded, group-sorted rows [T*bm, K] (padding rows are zeros)."""
+    return jnp.take(x_mk, plan.row_src, axis=0, mode="fill", fill_value=0)
+
+
+def scatter_back(y_pn: jax.Array, plan: TilePlan, out_dtype) -> jax.Array:
+    """Padded results [T*bm, N] -> [M, N] in the caller's row order; out-of-range rows are 0."""
+    y = jnp.take(y_pn, plan.dest_m, axis=0)
+    return jnp.where(plan.valid_m[:, None], y, jnp.zeros((), y.dtype)).astype(out_dtype)

@@ -1,0 +1,354 @@
+"""grouped_matmul: the reference vs a float64 numpy oracle, the XLA path vs the reference, the Mosaic
+GPU kernel (run on the CPU by the Mosaic GPU interpreter) vs the reference, the kernel lowering for
+Hopper, the tile plan, input checks, and bitwise batch invariance of the XLA path with a negative
+control that fails the same check."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_gemm import (GroupedMatmulConfig, WeightFormat, check_inputs, grouped_matmul,
+                                         grouped_matmul_reference, grouped_matmul_xla)
+from pallas_kernels.grouped_gemm.config import kernel_unsupported_reason, smem_bytes
+from pallas_kernels.grouped_gemm.plan import bucketed_tiles, make_tile_plan, max_tiles
+from pallas_kernels.grouped_gemm.reference import unpack_fp4
+
+# The checkpoint's E2M1 code table, written out independently of the package's.
+_FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _weights(rng, fmt: WeightFormat, g: int, n: int, k: int):
+    """Random weights of a format; scales near 2^0 so outputs stay O(10) in bf16."""
+    if fmt is WeightFormat.BF16:
+        return jnp.asarray(rng.standard_normal((g, n, k)), jnp.bfloat16), None
+    if fmt is WeightFormat.FP8:
+        w = jnp.asarray(rng.standard_normal((g, n, k)) * 4, jnp.float8_e4m3fn)
+        return w, jnp.asarray(rng.integers(124, 130, (g, n // 32, k // 32)), jnp.uint8)
+    w = jnp.asarray(rng.integers(0, 256, (g, n, k // 2)), jnp.uint8)
+    return w, jnp.asarray(rng.integers(124, 130, (g, n, k // 32)), jnp.uint8)
+
+
+def _oracle(x, w, gid, s, fmt: WeightFormat):
+    """float64 numpy, straight from the format definitions, one row at a time."""
+    x = np.asarray(x, np.float64)
+    gid = np.asarray(gid)
+    g = w.shape[0]
+    if fmt is WeightFormat.BF16:
+        wd = np.asarray(w.astype(jnp.float32), np.float64)
+    elif fmt is WeightFormat.FP8:
+        sc = 2.0 ** (np.asarray(s, np.float64) - 127)
+        wd = np.asarray(w.astype(jnp.float32), np.float64) * np.kron(sc, np.ones((1, 32, 32)))
+    else:
+        b = np.asarray(w)
+        vals = np.empty(b.shape[:-1] + (b.shape[-1] * 2,))
+        vals[..., 0::2] = _FP4[b & 15]
+        vals[..., 1::2] = _FP4[b >> 4]
+        wd = vals * np.repeat(2.0 ** (np.asarray(s, np.float64) - 127), 32, axis=-1)
+    out = np.zeros((x.shape[0], wd.shape[1]))
+    for i, e in enumerate(gid):
+        if 0 <= e < g:
+            out[i] = wd[e] @ x[i]
+    return out
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+ALL_FORMATS = [WeightFormat.BF16, WeightFormat.FP8, WeightFormat.FP4]
+
+
+# ---- reference and XLA path ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_reference_matches_float64_oracle(fmt):
+    rng = np.random.default_rng(1)
+    g, n, k, m = 4, 64, 128, 23
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-2, g + 2, m), jnp.int32)     # includes out-of-range ids
+    got = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    want = _oracle(x, w, gid, s, fmt)
+    # float32 HIGHEST over K=128 exact products: a few f32 ulps of the largest partial sum.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    bad = (np.asarray(gid) < 0) | (np.asarray(gid) >= g)
+    assert bad.any() and np.all(got[bad] == 0)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_xla_path_matches_reference(fmt):
+    rng = np.random.default_rng(2)
+    g, n, k, m = 5, 64, 256, 37
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)     # unsorted, with dropped rows
+    want = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    got32 = np.asarray(grouped_matmul_xla(x, w, gid, s, out_dtype=jnp.float32))
+    # Same exact bf16 operands (the dequantized values fit bf16), float32 sums in another order.
+    np.testing.assert_allclose(got32, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    got16 = np.asarray(grouped_matmul_xla(x, w, gid, s).astype(jnp.float32))
+    # bf16 output: one rounding, half an ulp = 2^-9 relative.
+    np.testing.assert_allclose(got16, want, rtol=2 ** -8, atol=1e-5 * np.abs(want).max())
+
+
+def test_xla_path_handles_empty_and_single_expert_inputs():
+    rng = np.random.default_rng(3)
+    w, _ = _weights(rng, WeightFormat.BF16, 1, 32, 64)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    y = grouped_matmul_xla(x, w, jnp.zeros((3,), jnp.int32), out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) @ np.asarray(w[0], np.float64).T,
+                               rtol=1e-5, atol=1e-4)
+    assert grouped_matmul_xla(x[:0], w, jnp.zeros((0,), jnp.int32)).shape == (0, 32)
+
+
+# ---- bitwise batch invariance (XLA path) and the negative control ------------------------------------
+
+_INV_G, _INV_N, _INV_K, _PROBE_G = 6, 64, 512, 4
+
+
+def _invariance_cases(rng, probe_x):
+    """(name, x, group ids, probe position): the probe row among other rows and group sizes."""
+    cases = []
+    for m in (2, 3, 5, 8, 33, 64):
+        x = jnp.asarray(rng.standard_normal((m, _INV_K)), jnp.bfloat16)
+        gid = rng.integers(0, _INV_G, m)
+        p = m // 2
+        gid[p] = _PROBE_G
+        cases.append((f"M={m}", x.at[p].set(probe_x), jnp.asarray(gid, jnp.int32), p))
+    x = jnp.asarray(rng.standard_normal((64, _INV_K)), jnp.bfloat16)
+    cases.append(("uniform", x.at[_PROBE_G].set(probe_x), jnp.arange(64, dtype=jnp.int32) % _INV_G, _PROBE_G))
+    cases.append(("all in one expert", x.at[41].set(probe_x), jnp.full((64,), _PROBE_G, jnp.int32), 41))
+    uneven = np.concatenate([np.full(40, _PROBE_G), rng.integers(0, 2, 24)])
+    cases.append(("uneven", x.at[7].set(probe_x), jnp.asarray(uneven, jnp.int32), 7))
+    return cases
+
+
+def _variant_rows(fn, rng, probe_x, only=None):
+    """Names of the cases in which the probe row's bits differ from the probe computed alone."""
+    alone = _bits(fn(probe_x[None], jnp.asarray([_PROBE_G], jnp.int32))[0])
+    return [name for name, x, gid, p in _invariance_cases(rng, probe_x)
+            if (only is None or name in only) and not np.array_equal(_bits(fn(x, gid)[p]), alone)]
+
+
+@pytest.mark.parametrize("fmt,out_dtype", [(WeightFormat.BF16, jnp.float32), (WeightFormat.FP4, jnp.bfloat16)],
+                         ids=["bf16-f32out", "fp4-bf16out"])
+def test_xla_path_is_bitwise_batch_invariant(fmt, out_dtype):
+    rng = np.random.default_rng(4)
+    w, s = _weights(rng, fmt, _INV_G, _INV_N, _INV_K)
+    probe_x = jnp.asarray(rng.standard_normal(_INV_K), jnp.bfloat16)
+    fn = jax.jit(lambda x, gid: grouped_matmul_xla(x, w, gid, s, out_dtype=out_dtype))
+    assert _variant_rows(fn, rng, probe_x) == []
+
+
+def test_negative_control_plain_dot_fails_the_same_check():
+    """A plain XLA dot of the rows against the probe's expert is not invariant on CPU (M=1 takes a
+    matrix-vector path with another summation order), so the check above can fail."""
+    rng = np.random.default_rng(4)
+    w, _ = _weights(rng, WeightFormat.BF16, _INV_G, _INV_N, _INV_K)
+    probe_x = jnp.asarray(rng.standard_normal(_INV_K), jnp.bfloat16)
+    fn = jax.jit(lambda x, gid: jnp.einsum("mk,nk->mn", x, w[_PROBE_G], preferred_element_type=jnp.float32))
+    assert len(_variant_rows(fn, rng, probe_x)) == 9     # every case differs from M=1
+
+
+def test_xla_path_is_invariant_with_another_tile_size():
+    """FP8, and a tile size that does not divide the group sizes (fewer cases: compile time)."""
+    rng = np.random.default_rng(5)
+    w, s = _weights(rng, WeightFormat.FP8, _INV_G, _INV_N, _INV_K)
+    probe_x = jnp.asarray(rng.standard_normal(_INV_K), jnp.bfloat16)
+    cfg = GroupedMatmulConfig(xla_block_m=3)
+    fn = jax.jit(lambda x, gid: grouped_matmul_xla(x, w, gid, s, out_dtype=jnp.float32, config=cfg))
+    assert _variant_rows(fn, rng, probe_x, only=("M=5", "M=33", "all in one expert", "uneven")) == []
+
+
+# ---- tile plan -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,g,bm", [(1, 384, 64), (7, 3, 4), (100, 5, 8), (33, 40, 16), (64, 1, 64)])
+def test_plan_places_every_row_once_in_a_tile_of_its_group(m, g, bm):
+    rng = np.random.default_rng(m + g)
+    for trial in range(3):
+        gid = rng.integers(-1, g + 1, m) if trial else np.full(m, g - 1)
+        plan = make_tile_plan(jnp.asarray(gid, jnp.int32), g, bm)
+        row_src, tile_group = np.asarray(plan.row_src), np.asarray(plan.tile_group)
+        dest, valid = np.asarray(plan.dest_m), np.asarray(plan.valid_m)
+        assert tile_group.shape == (max_tiles(m, g, bm),)
+        np.testing.assert_array_equal(valid, (gid >= 0) & (gid < g))
+        for r in np.flatnonzero(valid):
+            assert row_src[dest[r]] == r
+            assert tile_group[dest[r] // bm] == gid[r]          # the row sits in a tile of its own group
+        placed = row_src[row_src < m]
+        assert sorted(placed) == sorted(np.flatnonzero(valid))  # each valid row exactly once
+        used = tile_group >= 0
+        assert not np.any(used[np.argmin(used):]) or used.all()  # used tiles come first
+        # A tile's rows are contiguous in the caller's order within the group (stable sort).
+        for t in np.flatnonzero(used):
+            rows = row_src[t * bm:(t + 1) * bm]
+            rows = rows[rows < m]
+            assert np.all(np.diff(rows) > 0)
+
+
+def test_max_tiles_is_a_tight_bound():
+    # The worst split: min(G, M) groups, all but one holding a single row.
+    m, g, bm = 50, 7, 8
+    gid = np.concatenate([np.arange(g - 1), np.full(m - g + 1, g - 1)])
+    tiles = (np.bincount(gid, minlength=g) + bm - 1) // bm
+    assert tiles.sum() == max_tiles(m, g, bm)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        m, g, bm = int(rng.integers(1, 300)), int(rng.integers(1, 50)), int(rng.choice([1, 8, 64]))
+        counts = np.bincount(rng.integers(0, g, m), minlength=g)
+        assert ((counts + bm - 1) // bm).sum() <= max_tiles(m, g, bm)
+    assert bucketed_tiles(3, 384, 64) == 8 and bucketed_tiles(300, 384, 32) == 512 and bucketed_tiles(0, 4, 8) == 0
+
+
+def test_fp4_kernel_column_order_is_low_nibbles_then_high_nibbles():
+    from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
+
+    rng = np.random.default_rng(6)
+    packed = jnp.asarray(rng.integers(0, 256, (3, 32)), jnp.uint8)        # K = 64
+    vals = np.asarray(unpack_fp4(packed))
+    permuted = vals[:, np.asarray(fp4_k_permutation(64))]
+    b = np.asarray(packed)
+    for blk in range(2):
+        cols = slice(blk * 16, (blk + 1) * 16)
+        np.testing.assert_array_equal(permuted[:, blk * 32: blk * 32 + 16], _FP4[b[:, cols] & 15])
+        np.testing.assert_array_equal(permuted[:, blk * 32 + 16: blk * 32 + 32], _FP4[b[:, cols] >> 4])
+
+
+# ---- config and input checks ------------------------------------------------------------------------------
+
+def test_config_rejects_bad_tiles():
+    with pytest.raises(ValueError, match="block_m"):
+        GroupedMatmulConfig(block_m=12)
+    with pytest.raises(ValueError, match="block_n"):
+        GroupedMatmulConfig(block_n=64)
+    with pytest.raises(ValueError, match="block_k"):
+        GroupedMatmulConfig(block_k=96)
+    with pytest.raises(ValueError, match="stages"):
+        GroupedMatmulConfig(stages=1)
+    cfg = GroupedMatmulConfig()
+    assert kernel_unsupported_reason(2304, 5120, WeightFormat.FP4, cfg) is None
+    assert "block_n" in kernel_unsupported_reason(2300, 5120, WeightFormat.FP4, cfg)
+    assert "block_k" in kernel_unsupported_reason(2304, 5100, WeightFormat.FP4, cfg)
+    assert "32-byte swizzle" in kernel_unsupported_reason(2304, 5120, WeightFormat.FP4, GroupedMatmulConfig(block_m=8))
+    assert kernel_unsupported_reason(2304, 5120, WeightFormat.FP4, GroupedMatmulConfig(block_m=8), jnp.float32) is None
+    big = GroupedMatmulConfig(block_m=256, block_n=256, block_k=256, stages=4)
+    assert "shared memory" in kernel_unsupported_reason(2304, 5120, WeightFormat.BF16, big)
+    assert smem_bytes(cfg, WeightFormat.FP4, jnp.bfloat16) < smem_bytes(cfg, WeightFormat.BF16, jnp.bfloat16)
+
+
+def test_input_checks_name_the_offending_array():
+    x = jnp.zeros((4, 64), jnp.bfloat16)
+    gid = jnp.zeros((4,), jnp.int32)
+    w16 = jnp.zeros((2, 32, 64), jnp.bfloat16)
+    assert check_inputs(x, w16, gid, None)[0] is WeightFormat.BF16
+    with pytest.raises(ValueError, match="x_mk must be bfloat16"):
+        check_inputs(x.astype(jnp.float32), w16, gid, None)
+    with pytest.raises(ValueError, match="group_ids_m must be"):
+        check_inputs(x, w16, gid[:3], None)
+    with pytest.raises(ValueError, match="K=64 but w"):
+        check_inputs(x, jnp.zeros((2, 32, 48), jnp.bfloat16), gid, None)
+    with pytest.raises(ValueError, match="no w_scale"):
+        check_inputs(x, w16.astype(jnp.float8_e4m3fn), gid, None)
+    w4 = jnp.zeros((2, 32, 32), jnp.uint8)
+    assert check_inputs(x, w4, gid, jnp.zeros((2, 32, 2), jnp.uint8))[0] is WeightFormat.FP4
+    with pytest.raises(ValueError, match=r"w_scale for fp4 weights .* must be \(2, 32, 2\)"):
+        check_inputs(x, w4, gid, jnp.zeros((2, 1, 2), jnp.uint8))
+    w8 = jnp.zeros((2, 32, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"w_scale for fp8 weights .* must be \(2, 1, 2\)"):
+        check_inputs(x, w8, gid, jnp.zeros((2, 32, 2), jnp.uint8))
+    with pytest.raises(ValueError, match="w_scale must be E8M0"):
+        check_inputs(x, w8, gid, jnp.zeros((2, 1, 2), jnp.float32))
+    with pytest.raises(ValueError, match="must be uint8"):
+        check_inputs(x, w16.astype(jnp.float32), gid, jnp.zeros((2, 1, 2), jnp.uint8))
+    with pytest.raises(ValueError, match="K=64 but w"):     # the op checks before dispatching
+        grouped_matmul(x, jnp.zeros((2, 32, 48), jnp.bfloat16), gid)
+
+
+# ---- the Mosaic GPU kernel: GPU interpreter on the CPU, and lowering for Hopper ----------------------
+
+def _interpret():
+    """plgpu kernels run in the Mosaic GPU interpreter (with its race detector) inside this context."""
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                                               platform="gpu", num_cores=8))
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)))
+    return stack
+
+
+def _races_found() -> bool:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return interpret_pallas_call.get_races().races_found
+
+
+# The interpreter's wgmma reads its operands from shared memory only, so the quantized formats run
+# with the dequantized A tile staged through shared memory (a_from_registers=False); the register-A
+# variant that the GPU uses is covered by the lowering test below and by benchmarks/grouped_gemm_gpu.py.
+# 3 K steps through 2 stages exercise the ring's slot reuse and barrier phases.
+_TINY_CFG = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_kernel_in_gpu_interpreter_matches_reference(fmt):
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(7)
+    g, n, k, m = 3, 128, 192, 13
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = np.array([2, 0, 2, -1, 1, 2, 2, 0, 3, 2, 2, 1, 2], np.int32)   # unsorted, 7 rows in group 2
+    with _interpret():
+        got = jax.block_until_ready(grouped_matmul_pallas(x, w, jnp.asarray(gid), s, out_dtype=jnp.float32,
+                                                          config=_TINY_CFG))
+    assert not _races_found()
+    want = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(gid), s))
+    # Exact bf16 operands, float32 accumulation in 16-wide steps: f32 rounding of the sums only.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert np.all(np.asarray(got)[[3, 8]] == 0)                          # ids -1 and G give zeros
+
+
+def test_kernel_in_gpu_interpreter_row_alone_equals_row_in_batch():
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(8)
+    g, n, k = 3, 128, 128
+    w, s = _weights(rng, WeightFormat.FP4, g, n, k)
+    x = jnp.asarray(rng.standard_normal((11, k)), jnp.bfloat16)
+    gid = jnp.asarray([1, 1, 0, 1, 2, 1, 1, 1, 1, 1, 0], jnp.int32)      # the probe (row 6) shares a tile
+    with _interpret():
+        alone = grouped_matmul_pallas(x[6:7], w, gid[6:7], s, config=_TINY_CFG)
+        among = grouped_matmul_pallas(x, w, gid, s, config=_TINY_CFG)
+    assert np.array_equal(_bits(among[6]), _bits(alone[0]))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4], ids=lambda f: f.value)
+def test_register_operand_kernel_lowers_for_hopper(fmt):
+    """The GPU configuration (dequantized A in registers) passes Mosaic GPU's lowering for CUDA,
+    which checks layouts, shared-memory size and wgmma operand rules, without a GPU."""
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    g, n, k, m = 4, 256, 256, 40
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    gid = jax.ShapeDtypeStruct((m,), jnp.int32)
+    if fmt is WeightFormat.FP8:
+        w = jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn)
+        s = jax.ShapeDtypeStruct((g, n // 32, k // 32), jnp.uint8)
+    else:
+        w = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
+        s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
+    cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3)
+    lowered = jax.jit(lambda *a: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
