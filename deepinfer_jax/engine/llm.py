@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -19,8 +20,13 @@ from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
 from deepinfer_jax.model.numerics import Numerics
+from deepinfer_jax.planner import MemoryPlan, PlanError, parse_bytes, plan_memory
+from deepinfer_jax.sharding import DEFAULT_RULES, MeshSpec, ShardingRules, make_mesh, mesh_spec_of, \
+    validate_model_mesh
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+
+Prompt = str | Sequence[int] | dict
 
 
 @dataclasses.dataclass
@@ -30,36 +36,76 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop" (EOS, a stop token or string) or "length" (max_tokens or the context)
     logprobs: list[float]  # log p(sampled token) under the model, per generated token
-    top_logprobs: list[dict[int, float]] | None
-    prompt_logprobs: list[float | None] | None
+    top_logprobs: list[dict[int, float]] | None  # the top-n per generated token when logprobs=n > 0
+    prompt_logprobs: list[float | None] | None  # when asked: None for the first prompt token
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["top_logprobs"] is not None:
+        if d["top_logprobs"] is not None:  # JSON keys are strings
             d["top_logprobs"] = [{str(k): v for k, v in t.items()} for t in d["top_logprobs"]]
         return d
+
+
+NUMERICS = {"reference": Numerics.reference(), "reference-bf16-kv": Numerics.reference(kv_quant=False),
+            "exact": Numerics.exact()}
 
 
 def _numerics(name: str | Numerics) -> Numerics:
     if isinstance(name, Numerics):
         return name
-    table = {"reference": Numerics.reference(), "reference-bf16-kv": Numerics.reference(kv_quant=False),
-             "exact": Numerics.exact()}
-    if name not in table:
-        raise ValueError(f"numerics must be one of {sorted(table)}, got {name!r}")
-    return table[name]
+    if name not in NUMERICS:
+        raise ValueError(f"numerics must be one of {sorted(NUMERICS)} or a Numerics, got {name!r}")
+    return NUMERICS[name]
 
 
 def _device_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    """Usable bytes of one device: the allocator's limit on GPU/TPU; on CPU the host's physical memory
+    shared by its (possibly simulated) devices."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
-    try:  # CPU: physical memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, jax.local_device_count())
     except (ValueError, OSError):
         return None
+
+
+def sampler_state_bytes(cfg: ModelConfig) -> int:
+    """Device bytes of the engine's own state per slot beyond the KV/state cache: the sampler's token
+    counts and seen-mask (int32 + bool per vocabulary id), the next token and the Engram history."""
+    return cfg.vocab_size * 5 + 4 + 4 * max(cfg.engram_max_ngram_size - 1, 0)
+
+
+def slot_state_bytes(cfg: ModelConfig, max_len: int, numerics: Numerics) -> int:
+    """Device bytes one slot needs on one device: its KV/state cache plus ``sampler_state_bytes``."""
+    return cache_bytes(cfg, 1, max_len, numerics) + sampler_state_bytes(cfg)
+
+
+def check_memory(cfg: ModelConfig, slots: int, max_len: int, numerics: Numerics, limit: int | str | None, *,
+                 mesh: "MeshSpec | str" = "data=1", chunk_size: int = 1,
+                 rules: ShardingRules = DEFAULT_RULES) -> MemoryPlan:
+    """The engine's memory plan (``planner.plan_memory``: weights, caches, the engine's per-slot state and
+    the activations of a ``chunk_size`` prefill step, per device of ``mesh``). Raises PlanError (a
+    MemoryError) saying how many slots fit when it exceeds ``limit`` bytes per device (None: no check)."""
+    # the engine's steps run the LM head on one position per slot and sample inside the step
+    plan = plan_memory(cfg, mesh, slots, max_len, numerics, step_tokens=chunk_size, rules=rules,
+                       extra_per_slot_bytes=sampler_state_bytes(cfg), head_tokens=1, sampler=True)
+    if limit is None:
+        return plan
+    limit = parse_bytes(limit)
+    try:
+        plan.check_fits(limit)
+    except PlanError as e:
+        fits = plan.max_slots(limit)
+        raise PlanError(f"max_slots={slots} x max_len={max_len} needs {plan.total_bytes / 2**30:.2f} GiB per device "
+                        f"on mesh {plan.mesh} (weights {plan.weight_bytes / 2**30:.2f} GiB, caches and engine state "
+                        f"{plan.cache_bytes / 2**30:.2f} GiB, activations {plan.activation_bytes / 2**30:.2f} GiB) "
+                        f"but a device has {limit / 2**30:.2f} GiB; {fits} slots fit at this max_len "
+                        f"(planner: {e})") from None
+    return plan
 
 
 class LLM:
@@ -67,87 +113,157 @@ class LLM:
 
     def __init__(self, model: str | Path, *, max_slots: int = 8, max_len: int = 256, chunk_size: int = 16,
                  numerics: str | Numerics = "reference", bounded_replay: bool = True, engine_seed: int = 0,
-                 progress: bool = False):
+                 progress: bool = False, mesh: "str | MeshSpec | jax.sharding.Mesh | None" = None,
+                 rules: ShardingRules = DEFAULT_RULES, device_memory: int | str | None = None):
+        """mesh: run over a (data, tensor, expert) device mesh, e.g. ``"data=2,tensor=2,expert=2"`` (a spec
+        over all devices, or a ``jax.sharding.Mesh`` from ``sharding.make_mesh``): params and caches are
+        sharded by ``rules`` (``sharding.DEFAULT_RULES``) and the slots split over ``data``. None: one
+        device. device_memory: usable bytes per device for the memory check (default: what the device
+        reports; on CPU the host memory divided among its devices)."""
         path = Path(model)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a checkpoint directory in the official "
                                     f"layout, e.g. a download of {DEFAULT_MODEL})")
-        for name, v in (("max_slots", max_slots), ("max_len", max_len), ("chunk_size", chunk_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.engine_config = EngineConfig(max_slots, max_len, chunk_size, bool(bounded_replay), engine_seed)
         self.cfg = ModelConfig.from_json(path)
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context "
                              f"({self.cfg.max_position_embeddings} positions)")
         self.numerics = _numerics(numerics)
-        self._check_memory(path, max_slots, max_len)
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            mesh = make_mesh(mesh)
+        self.mesh = mesh
+        mesh_spec = MeshSpec() if mesh is None else mesh_spec_of(mesh)
+        validate_model_mesh(self.cfg, mesh_spec, rules, slots=max_slots)
+        self.memory_plan = check_memory(self.cfg, max_slots, max_len, self.numerics,
+                                        device_memory if device_memory is not None else _device_memory_bytes(),
+                                        mesh=mesh_spec, chunk_size=chunk_size, rules=rules)
         self.tokenizer = Tokenizer.from_dir(path)
-        token_map, n_keys = compressed_token_map(path / "tokenizer.json", self.cfg.vocab_size)
+        self.token_map, n_keys = compressed_token_map(path / "tokenizer.json", self.cfg.vocab_size)
         if self.cfg.engram_layer_ids and n_keys != self.cfg.engram_compressed_vocab_size:
             raise ValueError(f"{path}: the tokenizer gives {n_keys} Engram keys, config.json says "
                              f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
-        self.params = load_params(path, self.cfg, progress=progress)
-        self.engine_config = EngineConfig(max_slots, max_len, chunk_size, bounded_replay, engine_seed)
-        self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, token_map, self.numerics,
-                                   self.engine_config)
+        self.params = self._load(path, rules, progress)
+        if mesh is None:
+            self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
+                                       self.engine_config)
+        else:
+            from deepinfer_jax.parallel import ParallelContext
+            from deepinfer_jax.parallel.engine import mesh_scheduler
 
-    def _check_memory(self, path: Path, slots: int, max_len: int) -> None:
-        limit = _device_memory_bytes()
-        if limit is None:
-            return
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        per_slot = cache_bytes(self.cfg, 1, max_len, self.numerics)
-        state = self.cfg.vocab_size * 5  # token counts + seen mask per slot
-        need = weights + slots * (per_slot + state)
-        if need > 0.9 * limit:
-            fits = max(0, int((0.9 * limit - weights) // (per_slot + state)))
-            raise MemoryError(f"{slots} slots x max_len {max_len} need {need / 2**30:.2f} GiB "
-                              f"(weights {weights / 2**30:.2f} GiB + {per_slot / 2**20:.1f} MiB cache per slot) but "
-                              f"the device has {limit / 2**30:.2f} GiB; {fits} slots fit at this max_len")
+            self.scheduler = mesh_scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
+                                            self.engine_config, ParallelContext(mesh, rules))
+
+    def _load(self, path: Path, rules: ShardingRules, progress: bool) -> dict:
+        """Official safetensors, or an orbax checkpoint written by ``deepinfer-jax convert`` (any mesh)."""
+        from deepinfer_jax.checkpoint.orbax_io import is_orbax_checkpoint, load_orbax
+
+        if is_orbax_checkpoint(path):
+            target = self.mesh if self.mesh is not None else make_mesh("data=1", jax.local_devices()[:1])
+            return load_orbax(path, target, cfg=self.cfg, rules=rules)
+        if self.mesh is None:
+            return load_params(path, self.cfg, progress=progress)
+        from deepinfer_jax.sharding import make_place
+
+        return load_params(path, self.cfg, place=make_place(self.cfg, self.mesh, rules), progress=progress)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """What the bitwise promise is pinned to (record it next to results)."""
+        dev = jax.devices()[0]
+        return {"jax": jax.__version__, "backend": dev.platform, "device": dev.device_kind,
+                "prng": "threefry2x32", "threefry_partitionable": True,
+                "mesh": None if self.mesh is None else str(mesh_spec_of(self.mesh)),
+                "engine": dataclasses.asdict(self.engine_config), "numerics": dataclasses.asdict(self.numerics)}
 
     # ------------------------------------------------------------------------------------------------
-    def _requests(self, prompts, params, ids, prompt_texts) -> list[Request]:
-        n = len(prompts)
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * n
-        if len(params) != n:
-            raise ValueError(f"got {n} prompts and {len(params)} sampling params")
-        ids = list(ids) if ids is not None else [str(i) for i in range(n)]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
-        out = []
-        for rid, p, sp, text in zip(ids, prompts, params, prompt_texts):
-            out.append(Request(rid, list(p), sp, prompt=text))
-        return out
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or len(prompt) != 1:
+                raise ValueError(f"a dict prompt holds exactly one of 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+            return self._prompt_ids(next(iter(prompt.values())))
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return [int(t) for t in ids], None
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def make_requests(self, prompts: Sequence[Prompt], sampling_params=None,
+                      request_ids: Sequence[str] | None = None) -> list[Request]:
+        """Tokenize and check (raises ValueError naming the request) without running anything."""
+        n = len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {n} prompts and {len(sampling_params)} sampling params")
+        if not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be SamplingParams (or a list of them, one per prompt)")
+        ids = [str(i) for i in range(n)] if request_ids is None else [str(i) for i in request_ids]
+        if len(ids) != n:
+            raise ValueError(f"got {n} prompts and {len(ids)} request ids")
+        reqs = []
+        for rid, prompt, sp in zip(ids, prompts, sampling_params):
+            tokens, text = self._prompt_ids(prompt)
+            req = Request(rid, tokens, sp, prompt=text)
+            self.scheduler.validate(req)
+            reqs.append(req)
+        return reqs
+
+    def run(self, requests: Sequence[Request], *, on_finish: Callable[[RequestOutput], None] | None = None,
+            on_tokens: Callable[[int], None] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), unit="req", desc="generate")
+        t0, total = time.perf_counter(), [0]
+
+        def finished(r: Request) -> None:
+            if bar is not None:
+                bar.update(1)
+            if on_finish is not None:
+                on_finish(self._output(r))
+
+        def tokens(n: int) -> None:
+            total[0] += n
+            if bar is not None:
+                bar.set_postfix(tok_s=f"{total[0] / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+            if on_tokens is not None:
+                on_tokens(n)
+
+        try:
+            self.scheduler.run(requests, on_finish=finished, on_tokens=tokens)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._output(r) for r in requests]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 request_ids: Sequence[str] | None = None, on_finish=None, on_step=None) -> list[RequestOutput]:
-        """Prompts are raw strings (tokenized as given, BOS included only if written) or token id lists."""
-        if isinstance(prompts, str):
+                 request_ids: Sequence[str] | None = None, use_tqdm: bool = False,
+                 on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_tokens: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Prompts are raw strings (tokenized as given: no BOS unless written), token-id lists, or vLLM-style
+        dicts. Outputs come back in prompt order. Request ids default to "0", "1", ...: with no explicit
+        seed the id seeds the sampler, so give stable ids to reproduce sampled runs."""
+        if isinstance(prompts, (str, dict)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        token_prompts, texts = [], []
-        for p in prompts:
-            if isinstance(p, str):
-                token_prompts.append(self.tokenizer.encode(p))
-                texts.append(p)
-            else:
-                token_prompts.append([int(t) for t in p])
-                texts.append(None)
-        reqs = self._requests(token_prompts, sampling_params, request_ids, texts)
-        wrap = (lambda r: on_finish(self._output(r))) if on_finish else None
-        self.scheduler.run(reqs, on_finish=wrap, on_step=on_step)
-        return [self._output(r) for r in reqs]
+        reqs = self.make_requests(prompts, sampling_params, request_ids)
+        return self.run(reqs, on_finish=on_finish, on_tokens=on_tokens, use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *, thinking: bool = False,
              reasoning_effort: str | int | None = None, tools: list | None = None, **kw) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; encoded with the V4.1 prompt format."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [encode_messages(c, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools) for c in convs]
+        prompts = [encode_messages(c, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools)
+                   for c in convs]
         return self.generate(prompts, sampling_params, **kw)
 
     @staticmethod
     def _output(r: Request) -> RequestOutput:
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, r.text, list(r.generated), r.finish_reason,
+        return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), r.text, list(r.generated), r.finish_reason,
                              list(r.logprobs), list(r.top_logprobs) if r.params.logprobs else None,
                              list(r.prompt_logprobs) if r.params.prompt_logprobs else None)
 
