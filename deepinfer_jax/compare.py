@@ -40,7 +40,6 @@ META_KEY = "deepinfer_dump"  # safetensors header metadata key
 NPZ_META_KEY = "__metadata__"
 _NAME = re.compile(r"^prompt(\d+)\.(?:(tokens)|(logits)|layer(\d+)\.hidden)$")
 NAMING = "prompt{i}.tokens, prompt{i}.logits, prompt{i}.layer{L}.hidden"
-NUMERICS_NAMES = ("exact", "reference", "reference-bf16-kv")
 
 
 class DumpError(ValueError):
@@ -447,18 +446,6 @@ def compare_dumps(ours: Dump | str | Path, ref: Dump | str | Path, *, layers: bo
 # ---------------------------------------------------------------------------------------------------------
 
 
-def numerics_of(name_or_numerics) -> Any:
-    from deepinfer_jax.model.numerics import Numerics
-
-    if isinstance(name_or_numerics, Numerics):
-        return name_or_numerics
-    table = {"exact": Numerics.exact(), "reference": Numerics.reference(),
-             "reference-bf16-kv": Numerics.reference(kv_quant=False)}
-    if name_or_numerics not in table:
-        raise ValueError(f"numerics must be one of {sorted(table)}, got {name_or_numerics!r}")
-    return table[name_or_numerics]
-
-
 @functools.cache
 def _prefill_fn():
     """The jitted whole-prompt prefill (built once per process; cfg/numerics/max_len are static)."""
@@ -506,8 +493,9 @@ def dump_activations(params: dict, cfg, prompts: list[list[int]], token_map: np.
     import jax.numpy as jnp
 
     from deepinfer_jax.model.engram_hash import engram_rows
+    from deepinfer_jax.model.numerics import as_numerics
 
-    numerics = numerics_of(numerics)
+    numerics = as_numerics(numerics)
     if not prompts:
         raise ValueError("no prompts to dump")
     token_map = np.asarray(token_map)
@@ -657,7 +645,9 @@ def _compare_cmd(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--numerics", default="exact", choices=NUMERICS_NAMES,
+    from deepinfer_jax.model.numerics import ENGINE_NUMERICS
+
+    p.add_argument("--numerics", default="exact", choices=ENGINE_NUMERICS,
                    help="exact: fp32, no fake quantization (default; for float64/fp32 references); reference: "
                         "BF16 + the official FP8/FP4 fake quantization")
     p.add_argument("--no-layers", action="store_true", help="logits only (no per-layer states)")

@@ -21,12 +21,9 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, ModelConfig
 from deepinfer_jax.model.cache import cache_shapes
-from deepinfer_jax.model.numerics import Numerics
+from deepinfer_jax.model.numerics import ENGINE_NUMERICS, Numerics, as_numerics
 from deepinfer_jax.sharding import (DEFAULT_RULES, MeshSpec, ShardingRules, abstract_params, leaf_spec, local_shape,
                                     tree_paths, validate_model_mesh)
-
-NUMERICS = {"reference": Numerics.reference(), "reference-bf16-kv": Numerics.reference(kv_quant=False),
-            "exact": Numerics.exact()}
 
 
 class PlanError(MemoryError):
@@ -176,14 +173,6 @@ class MemoryPlan:
         return "no larger mesh splits this model"
 
 
-def _numerics(numerics: Numerics | str) -> Numerics:
-    if isinstance(numerics, Numerics):
-        return numerics
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {sorted(NUMERICS)}, got {numerics!r}")
-    return NUMERICS[numerics]
-
-
 def _weight_group(path: tuple) -> str:
     rel = path[2:] if path[0] in ("layers", "mtp") else path
     dspark = " (DSpark)" if path[0] == "mtp" else ""
@@ -326,7 +315,7 @@ def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], sl
     if experts_path not in EXPERT_PATHS:
         raise ValueError(f"experts_path must be one of {EXPERT_PATHS}, got {experts_path!r}")
     ms = MeshSpec.parse(mesh_shape)
-    num = _numerics(numerics)
+    num = as_numerics(numerics)
     if slots < 1 or max_len < 1 or step_tokens < 1:
         raise ValueError(f"slots, max_len and step_tokens must be positive (got {slots}, {max_len}, {step_tokens})")
     validate_model_mesh(cfg, ms, rules, slots=slots)
@@ -381,7 +370,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--step-tokens", type=int, default=1, help="tokens per slot per step (the prefill chunk)")
-    p.add_argument("--numerics", default="reference", choices=sorted(NUMERICS))
+    p.add_argument("--numerics", default="reference", choices=sorted(ENGINE_NUMERICS))
     p.add_argument("--groups", default="backbone", help="comma-separated: backbone,dspark,image")
     p.add_argument("--device-memory", default=None, help="usable bytes per device, e.g. 139GiB")
     p.add_argument("--experts-path", default="gather", choices=EXPERT_PATHS,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from pallas_kernels.attention import (SparseAttentionConfig, kernel_unsupported_reason,
                                       sparse_sink_attention_reference, sparse_sink_attention_xla)
 from pallas_kernels.attention.config import smem_bytes
+from pallas_kernels.interpret import gpu_interpreter, races_found
 
 
 def _oracle(q, kv, idx, sink, scale):
@@ -126,25 +127,9 @@ def test_config_validation_and_shape_limits():
 # ---- the Mosaic GPU kernel, run by the Mosaic GPU interpreter on the CPU -------------------------
 
 def _interpret():
-    """Context that makes plgpu kernels run in the GPU interpreter (with its race detector)."""
-    import contextlib
-
-    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
-                                                               platform="gpu", num_cores=8))
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)))
-    return stack
-
-
-def _races_found():
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    return interpret_pallas_call.get_races().races_found
+    """plgpu kernels run in the Mosaic GPU interpreter (with its race detector) inside this context."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    return gpu_interpreter(detect_races=True)
 
 
 @pytest.mark.parametrize("split_rows", [128, 64])   # one split (sink in the kernel) / two splits + merge
@@ -160,7 +145,7 @@ def test_kernel_in_gpu_interpreter_matches_reference(split_rows):
     cfg = SparseAttentionConfig(split_rows=split_rows)
     with _interpret():
         got = jax.block_until_ready(sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, d ** -0.5, cfg))
-    assert not _races_found()
+    assert not races_found()
     assert got.shape == (b, t, h, d) and got.dtype == jnp.bfloat16
     want = _oracle(q, kv, idx, sink, d ** -0.5)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=_fast_tol(kv), rtol=0)

@@ -5,7 +5,6 @@ control that fails the same check."""
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from pallas_kernels.grouped_gemm import (GroupedMatmulConfig, WeightFormat, chec
 from pallas_kernels.grouped_gemm.config import kernel_unsupported_reason, smem_bytes
 from pallas_kernels.grouped_gemm.plan import bucketed_tiles, make_tile_plan, max_tiles
 from pallas_kernels.grouped_gemm.reference import unpack_fp4
+from pallas_kernels.interpret import gpu_interpreter, races_found
 
 # The checkpoint's E2M1 code table, written out independently of the package's.
 _FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -275,22 +275,8 @@ def test_input_checks_name_the_offending_array():
 
 def _interpret():
     """plgpu kernels run in the Mosaic GPU interpreter (with its race detector) inside this context."""
-    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
-                                                               platform="gpu", num_cores=8))
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)))
-    return stack
-
-
-def _races_found() -> bool:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    return interpret_pallas_call.get_races().races_found
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    return gpu_interpreter(detect_races=True)
 
 
 # The interpreter's wgmma reads its operands from shared memory only, so the quantized formats run
@@ -312,7 +298,7 @@ def test_kernel_in_gpu_interpreter_matches_reference(fmt):
     with _interpret():
         got = jax.block_until_ready(grouped_matmul_pallas(x, w, jnp.asarray(gid), s, out_dtype=jnp.float32,
                                                           config=_TINY_CFG))
-    assert not _races_found()
+    assert not races_found()
     want = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(gid), s))
     # Exact bf16 operands, float32 accumulation in 16-wide steps: f32 rounding of the sums only.
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())

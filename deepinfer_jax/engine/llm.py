@@ -19,7 +19,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler
 from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
-from deepinfer_jax.model.numerics import Numerics
+from deepinfer_jax.model.numerics import Numerics, as_numerics
 from deepinfer_jax.planner import MemoryPlan, PlanError, parse_bytes, plan_memory
 from deepinfer_jax.sharding import DEFAULT_RULES, MeshSpec, ShardingRules, make_mesh, mesh_spec_of, \
     validate_model_mesh
@@ -46,18 +46,6 @@ class RequestOutput:
         if d["top_logprobs"] is not None:  # JSON keys are strings
             d["top_logprobs"] = [{str(k): v for k, v in t.items()} for t in d["top_logprobs"]]
         return d
-
-
-NUMERICS = {"reference": Numerics.reference(), "reference-bf16-kv": Numerics.reference(kv_quant=False),
-            "exact": Numerics.exact()}
-
-
-def _numerics(name: str | Numerics) -> Numerics:
-    if isinstance(name, Numerics):
-        return name
-    if name not in NUMERICS:
-        raise ValueError(f"numerics must be one of {sorted(NUMERICS)} or a Numerics, got {name!r}")
-    return NUMERICS[name]
 
 
 def _device_memory_bytes() -> int | None:
@@ -129,7 +117,7 @@ class LLM:
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context "
                              f"({self.cfg.max_position_embeddings} positions)")
-        self.numerics = _numerics(numerics)
+        self.numerics = as_numerics(numerics)
         if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
             mesh = make_mesh(mesh)
         self.mesh = mesh

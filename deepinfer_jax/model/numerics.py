@@ -184,3 +184,18 @@ def kernel_route(numerics: Numerics, op: str, registry_op: str, unsupported: str
     if mode == "auto":
         return ("op", registry.PALLAS_MOSAIC_GPU) if kernel_here else ("model", None)
     return "op", registry.PALLAS_MOSAIC_GPU if kernel_here else registry.XLA    # "ops"
+
+
+# The names the engine, the memory planner and the compare tool accept (``fast`` is a kernel-path
+# experiment, reached through Numerics.named or a Numerics).
+ENGINE_NUMERICS = ("exact", "reference", "reference-bf16-kv")
+
+
+def as_numerics(name_or_numerics: "Numerics | str") -> Numerics:
+    """A Numerics as given, or the one ENGINE_NUMERICS names; anything else is an error naming the choices."""
+    if isinstance(name_or_numerics, Numerics):
+        return name_or_numerics
+    if name_or_numerics not in ENGINE_NUMERICS:
+        raise ValueError(f"numerics must be one of {sorted(ENGINE_NUMERICS)} or a Numerics, got {name_or_numerics!r}")
+    return Numerics.named(name_or_numerics)
+
