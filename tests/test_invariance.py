@@ -178,3 +178,27 @@ def test_bounded_replay_is_batch_invariant_and_bounded(llm, tiny_ckpt):
     mixed = llm.generate(long + _prompts(3, 23), [greedy] * 6 + [SamplingParams(max_tokens=3)] * 3,
                          request_ids=[f"l{i}" for i in range(9)])
     assert [bits(o) for o in mixed[:6]] == alone
+
+
+class AlwaysUpper(Scheduler):
+    """Runs the upper-layer prefill program even when every row of the step is padding there."""
+
+    @staticmethod
+    def _needs_upper(inp):
+        return True
+
+
+def test_bounded_replay_skips_the_upper_layers_exactly(llm):
+    """A prefill step whose rows all lie before their replay window skips the layers above the last KV
+    source (the second prefill program is not launched): that is what saves compute. It must be exact:
+    bitwise the result of running that program on rows that are all padding there."""
+    prompts = _prompts(2, 24, 40, 56)  # >= 40 tokens in chunks of 8, window 8: >= 4 steps wholly before it
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5)
+    ids = ["s0", "s1"]
+    before = llm.scheduler.skipped_upper
+    skipping = [bits(o) for o in llm.generate(prompts, greedy, request_ids=ids)]
+    assert llm.scheduler.skipped_upper - before >= 4
+    sch = AlwaysUpper(llm.params, llm.cfg, llm.tokenizer, llm.token_map, llm.numerics, llm.engine_config)
+    ran = sch.run([Request(i, p, greedy) for i, p in zip(ids, prompts)])
+    assert sch.skipped_upper == 0
+    assert [bits(LLM._output(r)) for r in ran] == skipping

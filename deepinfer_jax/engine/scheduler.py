@@ -54,15 +54,19 @@ class ModelFns:
     hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, replay_mask_bt)
         -> (h_btd, new_cache);  head(params, h_btd) -> fp32 logits_btv;
     init_cache(cfg, batch, max_len, numerics) -> cache pytree (every leaf has the slot dim first);
-    reset_slots(cache, reset_b) -> the cache with those slots emptied for a new occupant."""
+    reset_slots(cache, reset_b) -> the cache with those slots emptied for a new occupant.
+    split_at_replay: ``hidden`` also takes ``part="lower"`` / ``part="upper", carry=...`` (transformer.
+    forward_hidden): prefill then runs as two programs and skips the upper one when no row of the step
+    lies in its replay window, which is what makes bounded replay save compute (spec §7)."""
 
     hidden: Callable
     head: Callable
     init_cache: Callable
     reset_slots: Callable
+    split_at_replay: bool = False
 
 
-REAL_MODEL = ModelFns(forward_hidden, lm_head, init_cache, reset_slots)
+REAL_MODEL = ModelFns(forward_hidden, lm_head, init_cache, reset_slots, split_at_replay=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,8 @@ def _engram_rows(cfg, consts, hist, comp_bt, pad_id, max_prime):
     return engram_rows_device(consts["engram"], hist, comp_bt, pad_id, max_prime)
 
 
-def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+def _prefill_inputs(state, inp, consts, *, cfg, model, pad_id, max_prime):
+    """The prefill step's bookkeeping before the model: admitted slots emptied, Engram rows, history."""
     admit = inp["admit"]
     # Admitted slots are emptied first (model.reset_slots says why it is needed, not just hygiene).
     state = dict(state, cache=model.reset_slots(state["cache"], admit),
@@ -158,11 +163,39 @@ def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, 
     rows = _engram_rows(cfg, consts, state["hist"], comp, pad_id, max_prime)
     state = dict(state, hist=advance_history(state["hist"], comp),
                  seen=state["seen"].at[slots[:, None], jnp.where(live, tok, vocab)].set(True, mode="drop"))
-    h, cache = model.hidden(params, cfg, state["cache"], tok, pos, rows, numerics, inp["replay_mask"])
-    state["cache"] = cache
+    return state, rows
+
+
+def _prefill_sample(params, state, h, inp, consts, *, model, sampler, keys_fn):
+    slots = jnp.arange(h.shape[0])
     h_last = h[slots, inp["last_index"]][:, None]
     state, res = _sample_into_state(state, model.head(params, h_last)[:, 0], inp, consts, sampler, keys_fn)
     return state, dict(res, hidden=h)
+
+
+def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+    """Prefill as one program (models without ``split_at_replay``)."""
+    state, rows = _prefill_inputs(state, inp, consts, cfg=cfg, model=model, pad_id=pad_id, max_prime=max_prime)
+    h, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows, numerics,
+                                     inp["replay_mask"])
+    return _prefill_sample(params, state, h, inp, consts, model=model, sampler=sampler, keys_fn=keys_fn)
+
+
+def _prefill_lower(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+    """Prefill, first program: the layers up to the last KV source -> (state, (model carry, Engram rows))."""
+    state, rows = _prefill_inputs(state, inp, consts, cfg=cfg, model=model, pad_id=pad_id, max_prime=max_prime)
+    carry, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows,
+                                         numerics, inp["replay_mask"], part="lower")
+    return state, (carry, rows)
+
+
+def _prefill_upper(params, state, carry, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+    """Prefill, second program (run only when a row of the step is in its replay window): the layers above
+    the last KV source, the head and the sampler."""
+    carry, rows = carry
+    h, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows, numerics,
+                                     inp["replay_mask"], part="upper", carry=carry)
+    return _prefill_sample(params, state, h, inp, consts, model=model, sampler=sampler, keys_fn=keys_fn)
 
 
 def _decode_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
@@ -190,13 +223,19 @@ def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_steps(cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
-    """The jitted (prefill, decode, prompt-logprobs) programs, shared by every scheduler with the same
-    statics, so a second engine on the same model (another test, another LLM) compiles nothing."""
+    """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs) programs, shared by every
+    scheduler with the same statics, so a second engine on the same model (another test, another LLM)
+    compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``)."""
     statics = dict(cfg=cfg, numerics=numerics, model=model, sampler=sampler, keys_fn=keys_fn, pad_id=pad_id,
                    max_prime=max_prime)
-    prefill = jax.jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
+    upper = None
+    if model.split_at_replay:
+        prefill = jax.jit(functools.partial(_prefill_lower, **statics), donate_argnums=(1,))
+        upper = jax.jit(functools.partial(_prefill_upper, **statics), donate_argnums=(1,))
+    else:
+        prefill = jax.jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
     decode = jax.jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
-    return prefill, decode, jax.jit(functools.partial(_prompt_logprobs, model=model))
+    return prefill, upper, decode, jax.jit(functools.partial(_prompt_logprobs, model=model))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,8 +262,9 @@ class Scheduler:
             self.consts["engram"] = {k: jnp.asarray(v) for k, v in tables.items()}
             pad_id, max_prime = int(token_map[cfg.engram_pad_token_id]), int(tables["primes"].max())
         self._model = model
+        self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self.state = self._init_state()
-        self._prefill, self._decode, self._plp = _compiled_steps(
+        self._prefill, self._prefill_upper, self._decode, self._plp = _compiled_steps(
             cfg, numerics, model, sampler or sampling.sample, keys_fn or row_keys, pad_id, max_prime)
 
     def _init_state(self) -> dict:
@@ -237,7 +277,8 @@ class Scheduler:
     def compile_count(self) -> int:
         """Programs compiled so far for this scheduler's step functions (shared with any other scheduler
         on the same model and statics); fixed after warm-up."""
-        return sum(f._cache_size() for f in (self._prefill, self._decode, self._plp))
+        programs = (self._prefill, self._prefill_upper, self._decode, self._plp)
+        return sum(f._cache_size() for f in programs if f is not None)
 
     # ------------------------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -279,6 +320,12 @@ class Scheduler:
             return 0
         return max(0, len(req.prompt_ids) - self.cfg.sliding_window)
 
+    @staticmethod
+    def _needs_upper(inp: dict) -> bool:
+        """Whether a prefill step must run the layers above the last KV source: some row lies in its replay
+        window (a sampled row always does). Otherwise those layers would only see padding."""
+        return bool(inp["replay_mask"].any())
+
     def _launch_prefill(self, slots: list[Request | None]) -> _Launched:
         s, t = self.ec.max_slots, self.ec.chunk_size
         inp = self._common_inputs(t)
@@ -309,9 +356,18 @@ class Scheduler:
             req.fed += n
             req.launched += last
         with jax.threefry_partitionable(True):
-            self.state, out = self._prefill(self.params, self.state, inp, self.consts)
+            if self._prefill_upper is None:
+                self.state, out = self._prefill(self.params, self.state, inp, self.consts)
+            else:
+                self.state, carry = self._prefill(self.params, self.state, inp, self.consts)
+                if self._needs_upper(inp):
+                    self.state, out = self._prefill_upper(self.params, self.state, carry, inp, self.consts)
+                else:  # every row lies before its replay window: nothing above the last KV source to run
+                    assert not (inp["take_sample"].any() or want_plp), "a sampled row is always replayed"
+                    out = {}
+                    self.skipped_upper += 1
             plp = self._plp(self.params, out["hidden"], next_tok, self.consts["valid_v"]) if want_plp else None
-        out.pop("hidden")
+        out.pop("hidden", None)
         return _Launched(out, rows, plp)
 
     def _launch_decode(self, slots: list[Request | None]) -> _Launched:

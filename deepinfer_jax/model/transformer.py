@@ -53,24 +53,42 @@ def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_p
     return x_bthd, f_pre, {"window": window, "sources": sources}
 
 
+PARTS = ("all", "lower", "upper")
+
+
 def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
                    engram_rows_btnc: jax.Array | None, numerics: Numerics, replay_mask_bt: jax.Array | None = None,
-                   return_layer_states: bool = False, parallel=None):
+                   return_layer_states: bool = False, parallel=None, *, part: str = "all", carry=None):
     """-> (h_btd after the final norm, new cache[, per-layer 4-stream states [L] of [B,T,hc,D]]).
 
-    parallel: a ``parallel.ParallelContext`` to run over its mesh (None: single device)."""
+    parallel: a ``parallel.ParallelContext`` to run over its mesh (None: single device).
+    part: "all" runs every layer; "lower" runs the layers up to the last KV-source layer and returns
+    (carry, new cache) instead of h; "upper" continues from that carry with the layers above it (the
+    ones bounded replay restricts) -> (h, new cache). The engine runs the two parts as two programs so
+    that a prefill step whose rows all lie before their replay window skips the upper layers entirely
+    (spec §7), while every row's lower layers are always computed by the same program."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     edge = (lambda a: a) if parallel is None else parallel.constrain_stream
     dt = numerics.dtype
-    b, t = tokens_bt.shape
-    hc = cfg.hc_mult
-    e = params["embed"]["weight"][tokens_bt].astype(dt)
-    x_bthd = edge(jnp.broadcast_to(e[:, :, None, :], (b, t, hc, e.shape[-1])))
-    pre = jnp.broadcast_to(jax.nn.one_hot(0, hc, dtype=jnp.float32), (b, t, hc))
     last_source = max(cfg.kv_source_layer_ids, default=-1)
+    if part == "upper":
+        if carry is None:
+            raise ValueError('part="upper" needs the carry returned by part="lower"')
+        x_bthd, pre, published = carry
+        published = dict(published)
+        layers = range(last_source + 1, cfg.num_hidden_layers)
+    else:
+        b, t = tokens_bt.shape
+        hc = cfg.hc_mult
+        e = params["embed"]["weight"][tokens_bt].astype(dt)
+        x_bthd = edge(jnp.broadcast_to(e[:, :, None, :], (b, t, hc, e.shape[-1])))
+        pre = jnp.broadcast_to(jax.nn.one_hot(0, hc, dtype=jnp.float32), (b, t, hc))
+        published = {}
+        layers = range(cfg.num_hidden_layers if part == "all" else last_source + 1)
     upper_pos = positions_bt if replay_mask_bt is None else jnp.where(replay_mask_bt, positions_bt, -1)
-    published: dict = {}
     states = []
-    for layer_id in range(cfg.num_hidden_layers):
+    for layer_id in layers:
         if layer_id in cfg.engram_layer_ids:
             rows = engram_rows_btnc[:, :, cfg.engram_layer_ids.index(layer_id)]
             x_bthd = edge(engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
@@ -81,6 +99,8 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
         x_bthd = edge(x_bthd)
         if return_layer_states:
             states.append(x_bthd)
+    if part == "lower":
+        return (x_bthd, pre, published), cache
     if cfg.has_hc_head:  # V4: the final collapse has its own learned mix
         pre = hc_head.hc_head_pre(x_bthd, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
                                   norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)

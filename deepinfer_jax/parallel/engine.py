@@ -50,11 +50,12 @@ class MeshHidden:
 
     ctx: ParallelContext
 
-    def __call__(self, params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, replay_mask_bt=None):
+    def __call__(self, params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, replay_mask_bt=None,
+                 *, part="all", carry=None):
         from deepinfer_jax.model.transformer import forward_hidden
 
         h, new_cache = forward_hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics,
-                                      replay_mask_bt, parallel=self.ctx)
+                                      replay_mask_bt, parallel=self.ctx, part=part, carry=carry)
         new_cache = jax.lax.with_sharding_constraint(
             new_cache, tree_shardings(new_cache, self.ctx.mesh, self.ctx.rules, cfg))
         return h, new_cache
