@@ -1,0 +1,315 @@
+"""End-to-end throughput of the engine on a real-width slice of DeepSeek-V4.1-Flash (issue 7), one process.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/e2e_gpu.py --layers 12 --sections ceil,decode
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/e2e_gpu.py --layers 12 --sections ceil,prefill,xla
+    python benchmarks/e2e_gpu.py --tiny          # CPU smoke run: tiny widths, small contexts, same code
+
+The slice (``slice_model.py``) keeps every width of V4.1-Flash and the roles of all its layers, with
+random weights in the official stored formats made on the device. Everything runs through the engine's
+own jitted programs (``engine.scheduler``): the decode step (model + head + per-row sampler) and the
+prefill programs (lower layers, and the layers above the last KV source only when a row of the step is
+in its replay window).
+
+Sections:
+* ceil: the two ceilings measured in this run: HBM copy (bytes read + written) and a dense bf16 matmul.
+* decode: ms/step and tokens/s at each batch (slots) and context; the step's fewest bytes (weights it
+  touches, the routed experts expected under uniform routing, KV and index-K rows per slot) over the
+  step time, as a fraction of the copy bandwidth. The cache is synthetic (random stored values, rings
+  holding the last W positions): attention, the indexers and top-k do their full work.
+* prefill: one prompt of each length, chunked, through ``Scheduler.run`` (max_tokens=1), with and
+  without bounded replay: tokens/s, and matmul + attention-core FLOPs over time as a fraction of the
+  dense matmul rate.
+* xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
+  dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
+  XLA-only path, as a ratio to the kernel path.
+Each case records compile time (first call) and peak device memory. Results go to $OUT/e2e_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from deepinfer_jax.config import AttnMode  # noqa: E402
+from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  # noqa: E402
+from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
+from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
+from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
+from deepinfer_jax.model.numerics import Numerics  # noqa: E402
+from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, params_bytes, random_params,  # noqa: E402
+                         slice_config, synthetic_cache)
+
+RESULTS: dict = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "sections": {}}
+TABLE: list[str] = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def save(out: Path):
+    (out / "e2e_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def section(name, fn, out, *a):
+    t = time.time()
+    log(f"\n=== {name} ===")
+    try:
+        RESULTS["sections"][name] = fn(*a)
+    except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+        RESULTS["sections"][name] = {"error": f"{type(e).__name__}: {e}"[:3000]}
+        traceback.print_exc()
+    log(f"--- {name}: {time.time() - t:.1f} s")
+    save(out)
+
+
+def timed_ms(fn, reps: int = 10) -> float:
+    """Median ms of ``reps`` calls, each blocked on (fn returns what to block on)."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+# ---- ceilings ------------------------------------------------------------------------------------------
+
+def ceilings(tiny: bool):
+    n = (1 << 20) if tiny else (1 << 30)
+    a = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda v: v * 2.0)
+    jax.block_until_ready(f(a))
+    ms = timed_ms(lambda: f(a))
+    copy = 2 * a.nbytes / (ms * 1e-3)
+    del a
+    m = 512 if tiny else 8192
+    x = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    y = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    g = jax.jit(lambda p, q: p @ q)
+    jax.block_until_ready(g(x, y))
+    ms = timed_ms(lambda: g(x, y))
+    dense = 2 * m ** 3 / (ms * 1e-3)
+    RESULTS["copy_Bps"], RESULTS["dense_flops"] = copy, dense
+    TABLE.append(f"ceilings: copy {copy / 1e12:.2f} TB/s, dense bf16 {dense / 1e12:.0f} TFLOP/s")
+    return {"copy_TBps": copy / 1e12, "dense_TFLOPs": dense / 1e12}
+
+
+# ---- the engine pieces ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Model:
+    cfg: object
+    params: dict
+    tok: Tokenizer
+    token_map: np.ndarray
+
+
+def scheduler(m: Model, numerics: Numerics, slots: int, max_len: int, chunk: int, bounded_replay: bool = True):
+    return Scheduler(m.params, m.cfg, m.tok, m.token_map, numerics,
+                     EngineConfig(max_slots=slots, max_len=max_len, chunk_size=min(chunk, max_len),
+                                  bounded_replay=bounded_replay))
+
+
+def decode_inputs(sch: Scheduler, context: int) -> dict:
+    """Every slot generating at position ``context`` with a sampled (top-p) row."""
+    s = sch.ec.max_slots
+    inp = sch._common_inputs(1)
+    inp["positions"][:, 0] = context
+    inp["take_sample"][:] = True
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95)
+    for b in range(s):
+        inp["seeds"][b] = seed_words(1000 + b)
+        inp["sample_positions"][b] = context + 1
+        set_row(inp["sampling"], b, sp)
+    return inp
+
+
+def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10):
+    rows = []
+    copy = RESULTS.get("copy_Bps")
+    for b in batches:
+        try:
+            rows += _decode_batch(m, numerics, b, contexts, max_len, label, steps, copy)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest batch: keep the others
+            traceback.print_exc()
+            rows.append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:500]))
+            TABLE.append(f"{label} decode B={b:4d}: {type(e).__name__} {str(e)[:120]}")
+        RESULTS["sections"][f"{label}-decode (partial)"] = rows
+    return rows
+
+
+def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, label: str, steps: int, copy):
+    rows = []
+    sch = scheduler(m, numerics, b, max_len, 1)
+    try:
+        compile_s = None
+        for ctx in contexts:
+            sch.state["cache"] = None
+            sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
+            inp = decode_inputs(sch, ctx)
+
+            def step():
+                sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+                return out["token"]
+
+            if compile_s is None:
+                t = time.time()
+                jax.block_until_ready(step())
+                compile_s = time.time() - t
+            jax.block_until_ready(step())
+            t = time.perf_counter()
+            for _ in range(steps):
+                tok = step()
+            jax.block_until_ready(tok)
+            ms = (time.perf_counter() - t) * 1e3 / steps
+            need = decode_bytes(m.cfg, m.params, b, ctx, numerics.kv_quant)
+            rec = dict(batch=b, context=ctx, ms_per_step=ms, tokens_per_s=b / (ms * 1e-3), compile_s=compile_s,
+                       bytes=need, peak_bytes=peak_bytes())
+            if copy:
+                rec["hbm_fraction"] = need["total"] / (ms * 1e-3) / copy
+            rows.append(rec)
+            line = (f"{label} decode B={b:4d} ctx={ctx:6d}: {ms:8.2f} ms/step {rec['tokens_per_s']:9.1f} tok/s "
+                    f"bytes {need['total'] / 1e9:6.2f} GB")
+            if copy:
+                line += f" = {rec['hbm_fraction']:.1%} of copy BW"
+            log(line + f" (first call {compile_s:.0f} s)")
+            TABLE.append(line)
+    finally:
+        sch.state = None  # the caches go now, not with a traceback that may outlive this call
+    return rows
+
+
+def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
+    """FLOPs of q.k and p.v over the rows each prompt token attends to (window + selected), every layer;
+    the indexers' scoring is left out (reported separately by the kernel benchmarks)."""
+    h, d = cfg.num_attention_heads, cfg.head_dim
+    last_source = max(cfg.kv_source_layer_ids, default=-1)
+    total = 0.0
+    pos = np.arange(prompt)
+    for lid in range(cfg.num_hidden_layers):
+        plan = cfg.layer_plan(lid)
+        p = pos if lid <= last_source else pos[replay_from:]
+        rows = np.minimum(p + 1, cfg.sliding_window).astype(np.float64)
+        if plan.mode is not AttnMode.SWA:
+            r = cfg.compress_ratios[plan.kv_source]
+            rows += np.minimum((p + 1) // r, cfg.index_topk)
+        total += 4.0 * h * d * rows.sum()
+    return total
+
+
+def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int):
+    rows = []
+    dense = RESULTS.get("dense_flops")
+    max_len = max(prompts) + 16
+    macs = matmul_macs_per_token(m.cfg, m.params)
+    last_source = max(m.cfg.kv_source_layer_ids)
+    upper_share = sum(1 for i in range(m.cfg.num_hidden_layers) if i > last_source) / m.cfg.num_hidden_layers
+    rng = np.random.default_rng(0)
+    for br in (True, False):
+        sch = scheduler(m, numerics, 1, max_len, chunk, bounded_replay=br)
+        t = time.time()  # warm-up: compiles the prefill programs (and the upper one) at this engine shape
+        sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
+        compile_s = time.time() - t
+        for n in prompts:
+            req = Request(f"p{n}", [int(x) for x in rng.integers(3, 120000, n)], SamplingParams(max_tokens=1))
+            skipped0 = sch.skipped_upper
+            t = time.perf_counter()
+            sch.run([req])
+            s = time.perf_counter() - t
+            replay_from = max(0, n - m.cfg.sliding_window) if br else 0
+            # matmul FLOPs: lower layers on every token, upper layers on the replayed ones (the head on one)
+            layer_macs = macs - m.params["head"]["weight"].size
+            flops = 2 * (layer_macs * (1 - upper_share) * n + layer_macs * upper_share * (n - replay_from))
+            flops += attention_core_flops(m.cfg, n, replay_from)
+            rec = dict(prompt=n, bounded_replay=br, seconds=s, tokens_per_s=n / s, flops=flops,
+                       tflops=flops / s / 1e12, steps_skipping_upper=sch.skipped_upper - skipped0,
+                       compile_s=compile_s, peak_bytes=peak_bytes())
+            if dense:
+                rec["dense_fraction"] = flops / s / dense
+            rows.append(rec)
+            line = (f"prefill {n:6d} tok, replay {'on ' if br else 'off'}: {s:7.2f} s {n / s:9.0f} tok/s "
+                    f"{rec['tflops']:6.1f} TFLOP/s")
+            if dense:
+                line += f" = {rec['dense_fraction']:.1%} of dense"
+            line += f" (steps skipping upper layers: {rec['steps_skipping_upper']}; warm-up {compile_s:.0f} s)"
+            log(line)
+            TABLE.append(line)
+            RESULTS["sections"]["prefill (partial)"] = rows
+        del sch
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--sections", default="ceil,decode,prefill")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--prompts", default="4096,32768")
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--xla-batches", default="1,16")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    want = set(args.sections.split(","))
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    batches, contexts, prompts = ints(args.batches), ints(args.contexts), ints(args.prompts)
+    if args.tiny:
+        batches, contexts, prompts, args.chunk = [1, 4], [40, 100], [64, 200], 32
+        args.xla_batches = "1"
+    log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers")
+    if "ceil" in want:
+        section("ceilings", ceilings, out, args.tiny)
+    t = time.time()
+    cfg = slice_config(args.layers, tiny_widths=args.tiny)
+    params = random_params(cfg)
+    tok = Tokenizer.from_dir(TOKENIZER_DIR)
+    token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
+    m = Model(cfg, params, tok, token_map)
+    RESULTS["slice"] = dict(layers=args.layers, weight_bytes=params_bytes(params), build_s=time.time() - t,
+                            roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
+                            matmul_macs_per_token=matmul_macs_per_token(cfg, params))
+    log(f"slice: {RESULTS['slice']}")
+    numerics = Numerics.reference()
+    max_len = max(contexts) + 64
+    if "decode" in want:
+        section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
+    if "prefill" in want:
+        section("prefill", run_prefill, out, m, numerics, prompts, args.chunk)
+    if "xla" in want:
+        section("xla-decode", run_decode, out, m, dataclasses.replace(numerics, kernels="xla"),
+                ints(args.xla_batches), contexts[:1], max_len, "xla-only")
+    RESULTS["peak_bytes"] = peak_bytes()
+    save(out)
+    log("\n==== e2e summary ====")
+    for line in TABLE:
+        log(line)
+    errors = [k for k, v in RESULTS["sections"].items() if isinstance(v, dict) and "error" in v]
+    log("errors:", errors)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
