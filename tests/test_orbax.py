@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 from deepinfer_jax.checkpoint.orbax_io import (LAYOUT_FILE, OrbaxCheckpointError, convert_to_orbax, load_orbax,
                                                read_layout)
 from deepinfer_jax.sharding import ShardingError, make_mesh, tree_paths
-from test_sharding import ROOT, mesh_test_config, multidev, run_multidevice
+from test_sharding import ROOT, mesh_test_config, multidev, run_multidevice, run_two_processes
 
 
 def _bytes_equal(loaded, ref) -> list:
@@ -180,21 +178,7 @@ print(json.dumps({"process": jax.process_index(), "read": read, "bad_shards": ba
 def test_multidev_two_processes_read_only_their_shards(synthetic, tmp_path):
     cfg, src, dst, ref = synthetic
     stored = sum(f.stat().st_size for f in (dst / "params").rglob("*") if f.is_file())
-    import socket
-
-    with socket.socket() as sock:  # a free port for the coordinator
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(dst), str(src)], cwd=ROOT, text=True,
-                              env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    results = run_two_processes(_CHILD, dst, src)
     assert [r["bad_shards"] for r in results] == [0, 0]
     for r in results:
         # Each host's devices hold half the vocabulary rows, half the experts, half the Engram rows

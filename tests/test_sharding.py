@@ -46,6 +46,33 @@ def run_multidevice(test_file: str, keyword: str, timeout: int = 600) -> None:
     assert " passed" in summary and not re.search(r"\b(skipped|failed|error)\b", summary), r.stdout[-2000:]
 
 
+def run_two_processes(code: str, *args: str, devices: int = 4, timeout: int = 240) -> list[dict]:
+    """Run ``python -c code *args`` as the two processes of one jax.distributed job (``devices`` CPU
+    devices each, a free local port for the coordinator); -> the JSON object each printed last."""
+    import json
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+    procs = [subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, text=True,
+                              env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:  # one process failing leaves the other waiting on a collective
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{err[-4000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 # ------------------------------------------------------------------------------------------------------
 # One device: the table, the axes, the errors
 

@@ -54,7 +54,10 @@ class ModelFns:
     hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, replay_mask_bt)
         -> (h_btd, new_cache);  head(params, h_btd) -> fp32 logits_btv;
     init_cache(cfg, batch, max_len, numerics) -> cache pytree (every leaf has the slot dim first);
-    reset_slots(cache, reset_b) -> the cache with those slots emptied for a new occupant.
+    reset_slots(cache, reset_b) -> the cache with those slots emptied for a new occupant;
+    readable(tree) -> the step results the host reads (sampled tokens, logprobs, prompt logprobs), laid
+        out so that every process can read all of them: on a mesh that spans several processes each one
+        runs the same loop and needs every slot's token for its stop rules (parallel/engine.py).
     split_at_replay: ``hidden`` also takes ``part="lower"`` / ``part="upper", carry=...`` (transformer.
     forward_hidden): prefill then runs as two programs and skips the upper one when no row of the step
     lies in its replay window, which is what makes bounded replay save compute (spec §7)."""
@@ -63,6 +66,7 @@ class ModelFns:
     head: Callable
     init_cache: Callable
     reset_slots: Callable
+    readable: Callable = lambda tree: tree  # one process: whatever layout the step produced
     split_at_replay: bool = False
 
 
@@ -170,7 +174,7 @@ def _prefill_sample(params, state, h, inp, consts, *, model, sampler, keys_fn):
     slots = jnp.arange(h.shape[0])
     h_last = h[slots, inp["last_index"]][:, None]
     state, res = _sample_into_state(state, model.head(params, h_last)[:, 0], inp, consts, sampler, keys_fn)
-    return state, dict(res, hidden=h)
+    return state, dict(model.readable(res), hidden=h)  # hidden stays on the device (prompt logprobs)
 
 
 def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
@@ -207,7 +211,8 @@ def _decode_step(params, state, inp, consts, *, cfg, numerics, model, sampler, k
     state = dict(state, hist=advance_history(state["hist"], comp))
     h, cache = model.hidden(params, cfg, state["cache"], tok, pos, rows, numerics, None)
     state["cache"] = cache
-    return _sample_into_state(state, model.head(params, h)[:, 0], inp, consts, sampler, keys_fn)
+    state, res = _sample_into_state(state, model.head(params, h)[:, 0], inp, consts, sampler, keys_fn)
+    return state, model.readable(res)
 
 
 def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
@@ -218,7 +223,7 @@ def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
         logp = jax.nn.log_softmax(jnp.where(valid_v, model.head(params, h_td[None])[0], -jnp.inf), axis=-1)
         return jnp.take_along_axis(logp, jnp.maximum(nxt_t, 0)[:, None], axis=1)[:, 0]
 
-    return jax.lax.map(row, (h_btd, next_bt))
+    return model.readable(jax.lax.map(row, (h_btd, next_bt)))
 
 
 @functools.lru_cache(maxsize=None)

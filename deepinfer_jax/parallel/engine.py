@@ -14,7 +14,12 @@ placed params and state, and these functions pin the shardings the rules give):
   (a vocabulary-split softmax would be a cross-device reduction in an order of the partitioner's
   choosing). The gather moves values, no arithmetic;
 * ``init_cache`` places the cache it builds: split over ``data`` when the batch splits, replicated
-  otherwise (the scheduler's one-slot empty cache, used to reset admitted slots).
+  otherwise (the scheduler's one-slot empty cache, used to reset admitted slots);
+* ``readable`` replicates what the host reads back (sampled tokens, logprobs, top-20, prompt logprobs)
+  onto every device inside the step. When the mesh spans several processes, a slot's token lives on
+  another host's devices otherwise, and every process needs every token: each runs the same scheduler
+  loop, and its admissions and stop rules must stay in step with the others'. The gather moves
+  [slots]- and [slots, 20]-sized values, no arithmetic, so results are bitwise those of one process.
 
 ``place_engine_state`` puts the scheduler's other per-slot state (sampler counts, seen-mask, next token,
 Engram history) on the mesh with slots over ``data``.
@@ -90,13 +95,24 @@ class MeshInitCache:
         return jax.device_put(cache, NamedSharding(self.ctx.mesh, P()))
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshReadable:
+    """``ModelFns.readable`` on the mesh: the host-read results replicated, so every process reads them."""
+
+    ctx: ParallelContext
+
+    def __call__(self, tree):
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.ctx.mesh, P()))
+
+
 def mesh_model_fns(ctx: ParallelContext):
     """The real model as ``engine.scheduler.ModelFns`` over ``ctx.mesh``."""
     from deepinfer_jax.engine.scheduler import REAL_MODEL
 
     # replace(): any other model function the scheduler grows (e.g. reset_slots, a select over the slot
     # dim) is kept as is; its output is re-pinned by MeshHidden's cache constraint in the same step.
-    return dataclasses.replace(REAL_MODEL, hidden=MeshHidden(ctx), head=MeshHead(ctx), init_cache=MeshInitCache(ctx))
+    return dataclasses.replace(REAL_MODEL, hidden=MeshHidden(ctx), head=MeshHead(ctx), init_cache=MeshInitCache(ctx),
+                               readable=MeshReadable(ctx))
 
 
 def place_engine_state(state: dict, ctx: ParallelContext, cfg) -> dict:
@@ -129,5 +145,5 @@ def describe_placement(tree: Any) -> dict[str, str]:
     return {path_str(p): str(getattr(getattr(x, "sharding", None), "spec", None)) for p, x in tree_paths(tree)}
 
 
-__all__ = ["MeshHidden", "MeshHead", "MeshInitCache", "mesh_model_fns", "mesh_scheduler", "place_engine_state",
+__all__ = ["MeshHidden", "MeshHead", "MeshInitCache", "MeshReadable", "mesh_model_fns", "mesh_scheduler", "place_engine_state",
            "describe_placement", "MeshSpec"]
