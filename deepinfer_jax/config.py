@@ -409,6 +409,13 @@ class ModelConfig:
         return self.variant == "v4"
 
     @property
+    def act_quant_block(self) -> int:
+        """Values per FP8 scale of the activations quantized before every FP8/FP4 GEMM: the FP8 weight
+        block along K (spec §2.9: 1x32 for V4.1; §3.1: 1x128 for V4, also in front of the FP4 experts,
+        whose weights keep 1x32 scales), so it follows quantization_config.weight_block_size."""
+        return self.quant.block
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.o_groups
 

@@ -100,13 +100,14 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     inv_freq = rope_inv_freq(plan.rope, cfg.qk_rope_head_dim)
     dt = numerics.dtype
 
-    qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics), p["q_norm"]["weight"], eps, dt)
-    q = quant_linear(qr, p["wq_b"], numerics).reshape(b, t, h, hd)
+    ab = cfg.act_quant_block
+    qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics, act_block=ab), p["q_norm"]["weight"], eps, dt)
+    q = quant_linear(qr, p["wq_b"], numerics, act_block=ab).reshape(b, t, h, hd)
     if cfg.per_head_q_norm:  # V4: unweighted RMS norm of each head (V4.1 has none)
         q = rms_norm(q, None, eps, dt)
     q = apply_rope(q, pos_bt[..., None], inv_freq)
 
-    kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics), p["kv_norm"]["weight"], eps, dt)
+    kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics, act_block=ab), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)
     if numerics.fake_quant:
         kv = fake_quant_kv_v4(kv, cfg.qk_rope_head_dim) if cfg.variant == "v4" else fake_quant_fp8(kv)
@@ -166,5 +167,5 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
     z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision,
                    preferred_element_type=jnp.float32).astype(dt)
-    out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics)
+    out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics, act_block=ab)
     return out, new_win, source_caches

@@ -68,7 +68,7 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
                                       kv_codec.encode(kv_codec.INDEX_K, ik, False, dt))
 
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    iq = quant_linear(qr_btr, pi["wq_b"], numerics).reshape(b, t, hi, di)
+    iq = quant_linear(qr_btr, pi["wq_b"], numerics, act_block=cfg.act_quant_block).reshape(b, t, hi, di)
     iq = hadamard.rotate(apply_rope(iq, pos_bt[..., None], inv_freq))
     if numerics.fake_quant:
         iq = fake_quant_fp4_pow2(iq)

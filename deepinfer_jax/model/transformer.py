@@ -74,7 +74,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
         if layer_id in cfg.engram_layer_ids:
             rows = engram_rows_btnc[:, :, cfg.engram_layer_ids.index(layer_id)]
             x_bthd = edge(engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
-                                        numerics=numerics))
+                                        numerics=numerics, act_block=cfg.act_quant_block))
         pos = positions_bt if layer_id <= last_source else upper_pos
         x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
                                    numerics, parallel, tokens_bt=tokens_bt)
