@@ -445,8 +445,11 @@ class ModelConfig:
         )
 
     def layer_plan(self, layer_id: int) -> LayerPlan:
-        if not 0 <= layer_id < self.num_hidden_layers:
-            raise ConfigError(f"layer {layer_id} out of range [0, {self.num_hidden_layers})")
+        """The plan of backbone layer ``layer_id``, or of MTP / DSpark layer ``num_hidden_layers + s``
+        (spec §1.2: compress_ratios has an entry for each; V4-Flash's MTP is layer 43, ratio 0)."""
+        n_all = self.num_hidden_layers + self.num_nextn_predict_layers
+        if not 0 <= layer_id < n_all:
+            raise ConfigError(f"layer {layer_id} out of range [0, {n_all})")
         ratio = self.compress_ratios[layer_id]
         rope = self.rope_spec(ratio)
         has_engram = layer_id in self.engram_layer_ids

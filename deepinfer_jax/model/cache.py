@@ -54,13 +54,14 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     return {"window": window, "sources": sources}
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
-    def make(sd: jax.ShapeDtypeStruct) -> jax.Array:
-        # positions start empty (-1); E8M0 has no zero, so scales start at 1 to keep empty rows finite
-        fill = -1 if sd.dtype == jnp.int32 else (1 if sd.dtype == jnp.float8_e8m0fnu else 0)
-        return jnp.full(sd.shape, fill, sd.dtype)
+def init_leaf(sd: jax.ShapeDtypeStruct) -> jax.Array:
+    """An empty cache leaf: positions -1; E8M0 has no zero, so scales start at 1 to keep empty rows finite."""
+    fill = -1 if sd.dtype == jnp.int32 else (1 if sd.dtype == jnp.float8_e8m0fnu else 0)
+    return jnp.full(sd.shape, fill, sd.dtype)
 
-    return jax.tree.map(make, cache_shapes(cfg, batch, max_len, numerics))
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
+    return jax.tree.map(init_leaf, cache_shapes(cfg, batch, max_len, numerics))
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> int:
