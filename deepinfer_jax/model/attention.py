@@ -112,7 +112,7 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
 
     kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics, act_block=ab), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)
-    if numerics.fake_quant:
+    if numerics.fake_quant and cfg.kv_fp8_rounding:
         kv = fake_quant_kv_v4(kv, cfg.qk_rope_head_dim) if cfg.variant == "v4" else fake_quant_fp8(kv)
     kvq = numerics.kv_quant
     lay = kv_codec.layouts(cfg)

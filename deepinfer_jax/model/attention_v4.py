@@ -37,7 +37,7 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
                                                   numerics=numerics)
     src.update(state)
     ckv = apply_rope(latent, key_pos, inv_freq)
-    if numerics.fake_quant:
+    if numerics.fake_quant and cfg.kv_fp8_rounding:
         ckv = fake_quant_kv_v4(ckv, cfg.qk_rope_head_dim)
     n_entries = src["kv"]["values"].shape[1]
     j_write = jnp.where(emits, pos_bt // r, n_entries)  # out of range -> dropped

@@ -28,6 +28,10 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     """The cache as a pytree of jax.ShapeDtypeStruct (for memory planning without allocating)."""
     dt = numerics.dtype
     q = numerics.kv_quant
+    if q and not cfg.kv_fp8_rounding:
+        # the FP8 cache would round what this reference keeps unrounded: storage would change results
+        raise ValueError("V4-Flash's initial-revision reference does not round the KV to FP8, so it has no "
+                         "deployment-precision cache; use Numerics(kv_quant=False) (e.g. 'reference-bf16-kv')")
     w = cfg.sliding_window
     lay = kv_codec.layouts(cfg)
     window = tuple(

@@ -33,9 +33,11 @@ def route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, top_k: int) -> tuple[
     return ids, w * cfg.routed_scaling_factor
 
 
-def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
-    u = jnp.clip(u, -limit, limit)
-    g = jnp.minimum(g, limit)
+def swiglu(g: jax.Array, u: jax.Array, limit: float | None) -> jax.Array:
+    """silu(min(g, limit)) * clamp(u, +-limit); limit None: no clamp (V4's initial-revision shared expert)."""
+    if limit is not None:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
     return jax.nn.silu(g) * u
 
 
@@ -152,7 +154,7 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
     return routed_experts_grouped(p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block, impl)
 
 
-def shared_expert(p: dict, x_md: jax.Array, limit: float, numerics: Numerics, act_block: int) -> jax.Array:
+def shared_expert(p: dict, x_md: jax.Array, limit: float | None, numerics: Numerics, act_block: int) -> jax.Array:
     g = quant_linear(x_md, p["w1"], numerics, jnp.float32, act_block=act_block)
     u = quant_linear(x_md, p["w3"], numerics, jnp.float32, act_block=act_block)
     hid = swiglu(g, u, limit).astype(numerics.dtype)
@@ -173,7 +175,7 @@ def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: 
         ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
     ab = cfg.act_quant_block
     routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics, ab)
-    y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit, numerics, ab)
+    y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None, numerics, ab)
     for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
         y = y + routed[:, k]
     return y.astype(numerics.dtype).reshape(b, t, d)
