@@ -5,7 +5,8 @@
 Same tensor names, dtypes (FP8-E4M3 + E8M0 32x32 blocks, packed FP4 experts + 1x32 E8M0, BF16, F32),
 shards with model.safetensors.index.json, config.json, tokenizer.json and tokenizer_config.json as the
 real release. The tensor list is ``deepinfer_jax.checkpoint.tensor_specs.expected_tensors`` (the one the
-loader checks against), all groups. The same seed gives the same bytes.
+loader checks against), all groups. The same seed gives the same bytes. ``make_tensors`` writes
+V4-Flash configs too (tests/test_v4flash_fp8_checkpoint.py: FP8 128x128 blocks, tid2eid).
 
 Initialisation aims at a sane forward pass, not at a trained model: linear weights ~ N(0, 1/in_dim)
 then quantized to the stored format, norms ~1, hc_*_fn ~ N(0, 0.02^2), gate biases small. Embedding and
