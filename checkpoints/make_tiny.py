@@ -5,7 +5,8 @@
 Same tensor names, dtypes (FP8-E4M3 + E8M0 32x32 blocks, packed FP4 experts + 1x32 E8M0, BF16, F32),
 shards with model.safetensors.index.json, config.json, tokenizer.json and tokenizer_config.json as the
 real release. The tensor list is ``deepinfer_jax.checkpoint.tensor_specs.expected_tensors`` (the one the
-loader checks against), all groups. The same seed gives the same bytes.
+loader checks against), all groups. The same seed gives the same bytes. ``make_tensors`` writes
+V4-Flash configs too (tests/test_v4flash_fp8_checkpoint.py: FP8 128x128 blocks, tid2eid).
 
 Initialisation aims at a sane forward pass, not at a trained model: linear weights ~ N(0, 1/in_dim)
 then quantized to the stored format, norms ~1, hc_*_fn ~ N(0, 0.02^2), gate biases small. Embedding and
@@ -102,8 +103,11 @@ def _bf16_init(rng: np.random.Generator, name: str, shape: tuple[int, ...], defi
     return rng.standard_normal(shape) / math.sqrt(shape[1])
 
 
-def make_tensors(cfg: ModelConfig, defined_ids: np.ndarray, seed: int) -> tuple[dict, dict]:
-    """-> ({name: array as stored}, {name: safetensors dtype}) for every tensor of expected_tensors(cfg)."""
+def make_tensors(cfg: ModelConfig, defined_ids: np.ndarray, seed: int,
+                 sources: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+    """-> ({name: array as stored}, {name: safetensors dtype}) for every tensor of expected_tensors(cfg)
+    (V4.1 or V4-Flash). ``sources``, if given, receives the fp32 weight [out, in] each FP8 / FP4 weight was
+    quantized from, by weight name (for tests of the stored formats)."""
     rng = np.random.default_rng(seed)
     specs = expected_tensors(cfg)
     tensors: dict[str, np.ndarray] = {}
@@ -118,10 +122,16 @@ def make_tensors(cfg: ModelConfig, defined_ids: np.ndarray, seed: int) -> tuple[
         elif sp.dtype == "F8_E4M3":
             w = rng.standard_normal(shape).astype(np.float32) / np.float32(math.sqrt(shape[1]))
             tensors[name], tensors[scale_name] = quantize_fp8_block(w, cfg.quant.block)
+            if sources is not None:
+                sources[name] = w
         elif sp.dtype == "I8":  # packed FP4: two values per byte along K
             in_dim = shape[1] * 2
             w = rng.standard_normal((shape[0], in_dim)).astype(np.float32) / np.float32(math.sqrt(in_dim))
             tensors[name], tensors[scale_name] = quantize_fp4(w)
+            if sources is not None:
+                sources[name] = w
+        elif sp.dtype == "I64":  # V4's hash-routing table tid2eid [vocab, k]: k distinct experts per token
+            tensors[name] = np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)[:, :shape[1]]
         elif sp.dtype == "F32":
             tensors[name] = _f32_init(rng, name, shape).astype(np.float32)
         elif sp.dtype == "BF16":

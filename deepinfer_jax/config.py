@@ -136,6 +136,7 @@ _IGNORED_KEYS = {
     "expert_dtype",  # V4-Flash's later revision puts it at the root; folded into QuantConfig below
 }
 _MODEL_TYPES = {"deepseek_v41": "v4.1", "deepseek_v41_text": "v4.1", "deepseek_v4": "v4"}
+V4_REVISIONS = ("current", "initial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +220,14 @@ class ModelConfig:
     eos_token_id: int
     pad_token_id: int | None
     quant: QuantConfig = QuantConfig()
+    # Which revision of V4-Flash's reference to follow (spec §3.9 / §10.7; not a config.json key): "current"
+    # (60d8d707, the official reading) clamps the shared expert and rounds the KV to FP8; "initial"
+    # (efc85512, what most public copies of inference/ hold) does neither. Set with dataclasses.replace.
+    v4_revision: str = "current"
+
+    def __post_init__(self):
+        if self.v4_revision not in V4_REVISIONS:  # checked here too: dataclasses.replace skips validate()
+            raise ConfigError(f"v4_revision must be one of {V4_REVISIONS}, got {self.v4_revision!r}")
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -295,7 +304,7 @@ class ModelConfig:
         """The official root config.json layout (V4.1: nested text_config)."""
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("variant", "quant"):
+            if f.name in ("variant", "quant", "v4_revision"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, tuple) and f.name == "rope_scaling":
@@ -409,6 +418,24 @@ class ModelConfig:
         return self.variant == "v4"
 
     @property
+    def shared_expert_clamp(self) -> bool:
+        """The shared expert's SwiGLU clamps like the routed ones (V4.1; V4 from the current revision, §3.9)."""
+        return self.variant == "v4.1" or self.v4_revision == "current"
+
+    @property
+    def kv_fp8_rounding(self) -> bool:
+        """The reference rounds the window / compressed KV to FP8 (V4.1; V4 from the current revision: the
+        initial one's simulated quantizer cast back without rounding, §3.9)."""
+        return self.variant == "v4.1" or self.v4_revision == "current"
+
+    @property
+    def act_quant_block(self) -> int:
+        """Values per FP8 scale of the activations quantized before every FP8/FP4 GEMM: the FP8 weight
+        block along K (spec §2.9: 1x32 for V4.1; §3.1: 1x128 for V4, also in front of the FP4 experts,
+        whose weights keep 1x32 scales), so it follows quantization_config.weight_block_size."""
+        return self.quant.block
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.o_groups
 
@@ -438,8 +465,11 @@ class ModelConfig:
         )
 
     def layer_plan(self, layer_id: int) -> LayerPlan:
-        if not 0 <= layer_id < self.num_hidden_layers:
-            raise ConfigError(f"layer {layer_id} out of range [0, {self.num_hidden_layers})")
+        """The plan of backbone layer ``layer_id``, or of MTP / DSpark layer ``num_hidden_layers + s``
+        (spec §1.2: compress_ratios has an entry for each; V4-Flash's MTP is layer 43, ratio 0)."""
+        n_all = self.num_hidden_layers + self.num_nextn_predict_layers
+        if not 0 <= layer_id < n_all:
+            raise ConfigError(f"layer {layer_id} out of range [0, {n_all})")
         ratio = self.compress_ratios[layer_id]
         rope = self.rope_spec(ratio)
         has_engram = layer_id in self.engram_layer_ids

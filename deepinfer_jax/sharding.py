@@ -294,9 +294,11 @@ _ROOT_AXES = {
 _CACHE_AXES = {
     "window.kv.values": ("batch", "window", "kv_store"),
     "window.kv.scale": ("batch", "window", "kv_store"),
+    "window.kv.rope": ("batch", "window", "kv_store"),  # V4-Flash: the BF16 RoPE dims of a quantized entry
     "window.pos": ("batch", "window"),
     "sources.kv.values": ("batch", "cache_seq", "kv_store"),
     "sources.kv.scale": ("batch", "cache_seq", "kv_store"),
+    "sources.kv.rope": ("batch", "cache_seq", "kv_store"),
     "sources.index_k.values": ("batch", "cache_seq", "kv_store"),
     "sources.index_k.scale": ("batch", "cache_seq", "kv_store"),
     "sources.pend_kv": ("batch", "kv_store"),

@@ -40,6 +40,19 @@ def tiny_token_map(tiny_ckpt, tiny_cfg):
     return table
 
 
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory):
+    """(cfg, params with the MTP layer, native float32 tensors) of the random tiny V4-Flash checkpoint
+    (tests/v4flash_tiny.py, transformers' spelling)."""
+    from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, DSPARK
+    from deepinfer_jax.checkpoint.transformers_format import load_transformers_params
+    from v4flash_tiny import write_tiny_v4flash
+
+    ckpt = tmp_path_factory.mktemp("v4flash") / "ckpt"
+    cfg, native = write_tiny_v4flash(ckpt, seed=0)
+    return cfg, load_transformers_params(ckpt, cfg, groups=(BACKBONE, DSPARK)), native
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -176,18 +176,18 @@ def test_experts_auto_is_bitwise_the_gather_path_and_ops_is_close(tiny_cfg):
     x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
     ids, w = route(p["gate"], tiny_cfg, x, 2)
     nq = Numerics("bfloat16", False, False)
-    base = routed_experts_gather(p["experts"], x, ids, w, 10.0, nq)
-    auto = routed_experts(p["experts"], x, ids, w, 10.0, nq)
+    base = routed_experts_gather(p["experts"], x, ids, w, 10.0, nq, 32)
+    auto = routed_experts(p["experts"], x, ids, w, 10.0, nq, 32)
     assert np.array_equal(np.asarray(auto), np.asarray(base))
-    ops = routed_experts(p["experts"], x, ids, w, 10.0, _mode("ops", nq))
+    ops = routed_experts(p["experts"], x, ids, w, 10.0, _mode("ops", nq), 32)
     assert np.all(np.abs(np.asarray(ops) - np.asarray(base)) <= _routed_tol(p["experts"], x, ids, w, 10.0))
     # fp32 activations: the op takes bf16 only, so ops mode keeps the gather path; forcing the kernel raises.
     x32 = x.astype(jnp.float32)
     e32 = Numerics.exact()
-    assert np.array_equal(np.asarray(routed_experts(p["experts"], x32, ids, w, 10.0, _mode("ops", e32))),
-                          np.asarray(routed_experts_gather(p["experts"], x32, ids, w, 10.0, e32)))
+    assert np.array_equal(np.asarray(routed_experts(p["experts"], x32, ids, w, 10.0, _mode("ops", e32), 32)),
+                          np.asarray(routed_experts_gather(p["experts"], x32, ids, w, 10.0, e32, 32)))
     with pytest.raises(KernelUnavailableError, match="bf16"):
-        routed_experts(p["experts"], x32, ids, w, 10.0, _mode("interpret", e32))
+        routed_experts(p["experts"], x32, ids, w, 10.0, _mode("interpret", e32), 32)
 
 
 @pytest.mark.skip(reason="hung (idle in eager jax dispatch inside the Mosaic GPU interpreter) in a -n 2 suite "
@@ -200,10 +200,10 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
     x = jnp.asarray(rng.standard_normal((1, 5, 128)), jnp.bfloat16)
     nq = Numerics("bfloat16", False, False)
     ids, w = route(p["gate"], tiny_cfg, x.reshape(5, 128), 2)
-    got_routed = jax.jit(lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq)))(
+    got_routed = jax.jit(lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq), 32))(
         x.reshape(5, 128))
-    ops_routed = routed_experts(p["experts"], x.reshape(5, 128), ids, w, 10.0, _mode("ops", nq))
-    gather = routed_experts_gather(p["experts"], x.reshape(5, 128), ids, w, 10.0, nq)
+    ops_routed = routed_experts(p["experts"], x.reshape(5, 128), ids, w, 10.0, _mode("ops", nq), 32)
+    gather = routed_experts_gather(p["experts"], x.reshape(5, 128), ids, w, 10.0, nq, 32)
     tol = _routed_tol(p["experts"], x.reshape(5, 128), ids, w, 10.0)
     assert np.all(np.abs(np.asarray(got_routed) - np.asarray(ops_routed)) <= tol)
     assert np.all(np.abs(np.asarray(got_routed) - np.asarray(gather)) <= tol)

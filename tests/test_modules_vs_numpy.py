@@ -78,7 +78,8 @@ def test_engram_inject():
     qw, kw = 1 + 0.1 * r.standard_normal((hc, d)), 1 + 0.1 * r.standard_normal((hc, d))
     p = {"embed": {"weight": jnp.asarray(table, jnp.float32)}, "wkv": {"weight": jnp.asarray(wkv, jnp.float32)},
          "q_weight": jnp.asarray(qw, jnp.float32), "k_weight": jnp.asarray(kw, jnp.float32)}
-    got = engram.inject(p, jnp.asarray(x[None], jnp.float32), jnp.asarray(rows[None]), eps=1e-20, numerics=EXACT)
+    got = engram.inject(p, jnp.asarray(x[None], jnp.float32), jnp.asarray(rows[None]), eps=1e-20,
+                        numerics=EXACT, act_block=32)
     close(got[0], ref.engram_inject(x, rows, table, wkv, qw, kw, 1e-20))
 
 
@@ -113,7 +114,7 @@ def test_index_scores_candidate_pool_and_selection():
     pos = np.arange(5, 5 + t)
     spec = RopeSpec(160000.0, 16.0, 32, 1, 256)
     inv_freq = rope_inv_freq(spec, 8)
-    cfg = type("C", (), {"index_n_heads": hi, "index_head_dim": di})
+    cfg = type("C", (), {"index_n_heads": hi, "index_head_dim": di, "act_quant_block": 32})
     p = {"wq_b": {"weight": jnp.asarray(wq, jnp.float32)}, "weights_proj": {"weight": jnp.asarray(wp, jnp.float32)}}
     ours = indexer.index_scores(p, cfg, jnp.asarray(x[None], jnp.float32), jnp.asarray(qr[None], jnp.float32),
                                 jnp.asarray(pos[None]), jnp.asarray(k[None], jnp.float32), 1, inv_freq, EXACT)[0]
@@ -168,7 +169,7 @@ def test_moe_route_and_experts():
     w2 = r.standard_normal((e, d, inter)) / 4
     p = {"w1": {"weight": jnp.asarray(w1, jnp.float32)}, "w3": {"weight": jnp.asarray(w3, jnp.float32)},
          "w2": {"weight": jnp.asarray(w2, jnp.float32)}}
-    got = moe.routed_experts_gather(p, jnp.asarray(x, jnp.float32), ids, wts, 10.0, EXACT).sum(axis=1)
+    got = moe.routed_experts_gather(p, jnp.asarray(x, jnp.float32), ids, wts, 10.0, EXACT, 32).sum(axis=1)
     want = np.stack([
         sum(ref.swiglu_expert(x[i:i + 1], w1[rids[i, j]], w2[rids[i, j]], w3[rids[i, j]], 10.0, rw[i, j:j + 1])[0]
             for j in range(k)) for i in range(m)])

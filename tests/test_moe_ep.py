@@ -38,12 +38,13 @@ def moe_case():
 
 
 def _single(p_exp, x, ids, w, cfg, num):
-    f = jax.jit(lambda p, x, i, w: routed_experts_gather(p, x, i, w, cfg.swiglu_limit, num))
+    f = jax.jit(lambda p, x, i, w: routed_experts_gather(p, x, i, w, cfg.swiglu_limit, num, cfg.act_quant_block))
     return np.asarray(f(p_exp, x.astype(num.dtype), ids, w))
 
 
 def _ep(mesh, p_exp, x, ids, w, cfg, num, combine="gather"):
-    f = jax.jit(lambda p, x, i, w: routed_experts_ep(p, x, i, w, cfg.swiglu_limit, num, mesh=mesh, combine=combine))
+    f = jax.jit(lambda p, x, i, w: routed_experts_ep(p, x, i, w, cfg.swiglu_limit, num, cfg.act_quant_block,
+                                                     mesh=mesh, combine=combine))
     return f, np.asarray(f(p_exp, x.astype(num.dtype), ids, w))
 
 
@@ -60,8 +61,8 @@ def test_one_device_mesh_is_the_gather_path(moe_case):
 def test_bad_combine_is_refused(moe_case):
     cfg, p_ffn, x, w, routings = moe_case
     with pytest.raises(ValueError, match="combine must be"):
-        routed_experts_ep(p_ffn["experts"], x, routings["random"], w, 10.0, Numerics.exact(), mesh=make_mesh("data=1"),
-                          combine="tree")
+        routed_experts_ep(p_ffn["experts"], x, routings["random"], w, 10.0, Numerics.exact(), 32,
+                          mesh=make_mesh("data=1"), combine="tree")
 
 
 def test_multidevice_suite():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +22,8 @@ from deepinfer_jax.model.numerics import Numerics
 from deepinfer_jax.model.transformer import forward
 from v4flash_tiny import random_native_tensors, to_transformers_tensors, write_tiny_v4flash
 
-# The real V4-Flash root config (spec §1.2), on top of the tiny one's keys.
-REAL = {**TINY_V4FLASH, "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43,
-        "moe_intermediate_size": 2048, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
-        "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 256,
-        "num_experts_per_tok": 6, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
-        "index_topk": 512, "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0], "expert_dtype": "fp4"}
+# The official V4-Flash root config.json (spec §1.2, later revision with expert_dtype).
+REAL = json.loads((Path(__file__).parent / "fixtures" / "v4_flash_config.json").read_text())
 
 
 def test_real_config_plan():
@@ -101,12 +99,9 @@ def test_hadamard_is_orthonormal_sylvester():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from deepinfer_jax.checkpoint.transformers_format import load_transformers_params
-
-    ckpt = tmp_path_factory.mktemp("v4flash") / "ckpt"
-    cfg, _ = write_tiny_v4flash(ckpt, seed=0)
-    return cfg, load_transformers_params(ckpt, cfg)
+def tiny(tiny_v4):
+    cfg, params, _ = tiny_v4
+    return cfg, params
 
 
 def test_loader_rejects_missing_and_unexpected(tmp_path, tiny):
@@ -151,12 +146,12 @@ def test_prefill_equals_chunked_and_token_by_token(tiny):
         assert err < 1e-5, f"chunk {chunk}: rel err {err:.2e}"
 
 
-def test_reference_numerics_run_and_kv_quant_is_refused(tiny):
+def test_reference_numerics_run(tiny):
+    """BF16 with V4's fake-quant sites, with BF16 and with deployment-precision caches (test_kv_cache_v4.py
+    compares the two)."""
     cfg, params = tiny
     tok = jnp.asarray(np.arange(3, 23, dtype=np.int32)[None])
     pos = jnp.arange(20, dtype=jnp.int32)[None]
-    bf16 = Numerics.reference(kv_quant=False)  # BF16 + V4's fake-quant sites, BF16 caches
-    logits, _ = forward(params, cfg, init_cache(cfg, 1, 32, bf16), tok, pos, None, bf16)
-    assert np.isfinite(np.asarray(logits)).all()
-    with pytest.raises(NotImplementedError, match="deployment precision"):
-        forward(params, cfg, init_cache(cfg, 1, 32, Numerics.reference()), tok, pos, None, Numerics.reference())
+    for numerics in (Numerics.reference(kv_quant=False), Numerics.reference()):
+        logits, _ = forward(params, cfg, init_cache(cfg, 1, 32, numerics), tok, pos, None, numerics)
+        assert np.isfinite(np.asarray(logits)).all()

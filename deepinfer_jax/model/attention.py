@@ -21,10 +21,11 @@ from deepinfer_jax.model.window import window_keys, window_update
 
 
 def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
-                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, precision) -> jax.Array:
+                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, precision,
+                   comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> jax.Array:
     """Softmax over window keys and selected compressed keys, with a per-head sink in the denominator.
 
-    comp_kv: the compressed-KV storage (kv_codec); only the selected rows are read and decoded."""
+    comp_kv: the compressed-KV storage (kv_codec, in comp_layout); only the selected rows are read and decoded."""
     qf = q_bthd.astype(jnp.float32)
     z_w = jnp.einsum("bthd,bwd->bthw", qf, win_k_bwd.astype(jnp.float32), precision=precision) * scale
     z_w = jnp.where(win_mask_btw[:, :, None, :], z_w, -jnp.inf)
@@ -32,7 +33,7 @@ def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     if idx_btk is not None:
         b = q_bthd.shape[0]
         rows = kv_codec.gather(comp_kv, jnp.arange(b)[:, None, None], jnp.maximum(idx_btk, 0))
-        sel = kv_codec.decode(kv_codec.COMPRESSED, rows, jnp.float32)  # [B, T, K, D]
+        sel = kv_codec.decode(comp_layout, rows, jnp.float32)  # [B, T, K, D]
         z_c = jnp.einsum("bthd,btkd->bthk", qf, sel, precision=precision) * scale
         z_c = jnp.where((idx_btk >= 0)[:, :, None, :], z_c, -jnp.inf)
         parts_z.append(z_c)
@@ -49,7 +50,7 @@ def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
 
 def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None, idx_btk: jax.Array | None,
-                  dtype) -> tuple[jax.Array, jax.Array]:
+                  dtype, comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> tuple[jax.Array, jax.Array]:
     """The window keys and the compressed KV as one ``sparse_sink_attention`` problem: kv [B, W+T(+N), D]
     (window rows first) and idx [B, T, W+T(+K)] (window rows by mask, then the selection offset by W+T)."""
     b, t, n_w = win_mask_btw.shape
@@ -57,13 +58,14 @@ def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict |
     kv = win_k_bwd.astype(dtype)
     if idx_btk is None:
         return kv, idx_w
-    comp = kv_codec.decode(kv_codec.COMPRESSED, comp_kv, dtype)
+    comp = kv_codec.decode(comp_layout, comp_kv, dtype)
     idx_c = jnp.where(idx_btk >= 0, idx_btk.astype(jnp.int32) + n_w, -1)
     return jnp.concatenate([kv, comp], axis=1), jnp.concatenate([idx_w, idx_c], axis=-1)
 
 
 def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
-                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, numerics: Numerics) -> jax.Array:
+                   idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, numerics: Numerics,
+                   comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> jax.Array:
     """``sink_attention`` on the implementation ``numerics.kernels`` picks (numerics.py): the model's
     float32 code, or ``pallas_kernels.attention.sparse_sink_attention`` (the Mosaic GPU kernel on Hopper,
     its XLA fallback elsewhere). The choice depends on the platform, the mode and static shapes only."""
@@ -76,8 +78,9 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
         why = f"the kernel takes bf16 q and kv, not {q_bthd.dtype}"
     route, impl = kernel_route(numerics, "attention", "sparse_sink_attention", why)
     if route == "model":
-        return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision)
-    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype)
+        return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
+                              comp_layout)
+    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout)
     if impl == "interpret":
         from pallas_kernels.attention.config import BLOCK_ROWS
         from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
@@ -100,21 +103,23 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     inv_freq = rope_inv_freq(plan.rope, cfg.qk_rope_head_dim)
     dt = numerics.dtype
 
-    qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics), p["q_norm"]["weight"], eps, dt)
-    q = quant_linear(qr, p["wq_b"], numerics).reshape(b, t, h, hd)
+    ab = cfg.act_quant_block
+    qr = rms_norm(quant_linear(x_btd, p["wq_a"], numerics, act_block=ab), p["q_norm"]["weight"], eps, dt)
+    q = quant_linear(qr, p["wq_b"], numerics, act_block=ab).reshape(b, t, h, hd)
     if cfg.per_head_q_norm:  # V4: unweighted RMS norm of each head (V4.1 has none)
         q = rms_norm(q, None, eps, dt)
     q = apply_rope(q, pos_bt[..., None], inv_freq)
 
-    kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics), p["kv_norm"]["weight"], eps, dt)
+    kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics, act_block=ab), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)
-    if numerics.fake_quant:
+    if numerics.fake_quant and cfg.kv_fp8_rounding:
         kv = fake_quant_kv_v4(kv, cfg.qk_rope_head_dim) if cfg.variant == "v4" else fake_quant_fp8(kv)
     kvq = numerics.kv_quant
-    ring = kv_codec.decode(kv_codec.WINDOW, layer_cache["kv"], dt)
+    lay = kv_codec.layouts(cfg)
+    ring = kv_codec.decode(lay.window, layer_cache["kv"], dt)
     win_k, win_mask = window_keys(ring, layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
     new_ring, new_pos = window_update(layer_cache["kv"], layer_cache["pos"],
-                                      kv_codec.encode(kv_codec.WINDOW, kv, kvq, dt), pos_bt)
+                                      kv_codec.encode(lay.window, kv, kvq, dt), pos_bt)
     new_win = {"kv": new_ring, "pos": new_pos}
 
     idx = None
@@ -139,14 +144,13 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
             n_entries = src["kv"]["values"].shape[1]
             j_write = jnp.where(emits, j, n_entries)  # out of range -> dropped
             rows = jnp.arange(b)[:, None]
-            src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(kv_codec.COMPRESSED, ckv, kvq, dt))
-            src["index_k"] = kv_codec.scatter(src["index_k"], rows, j_write,
-                                              kv_codec.encode(kv_codec.INDEX_K, ik, kvq, dt))
+            src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(lay.compressed, ckv, kvq, dt))
+            src["index_k"] = kv_codec.scatter(src["index_k"], rows, j_write, kv_codec.encode(lay.index_k, ik, kvq, dt))
             source_caches = {**source_caches, key: src}
         src = source_caches[key]
         comp_kv = src["kv"]
         if plan.has_index_query:
-            index_k = kv_codec.decode(kv_codec.INDEX_K, src["index_k"], dt)
+            index_k = kv_codec.decode(lay.index_k, src["index_k"], dt)
             scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, index_k, plan.ratio,
                                           inv_freq, numerics)
             if plan.is_candidate_source:
@@ -159,12 +163,12 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
         else:
             idx = published[f"topk_{plan.index_source}"]
 
-    o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics)
+    o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed)
     o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)
     wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
     z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision,
                    preferred_element_type=jnp.float32).astype(dt)
-    out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics)
+    out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics, act_block=ab)
     return out, new_win, source_caches

@@ -22,19 +22,12 @@ from deepinfer_jax.model.selection import topk_positions
 from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
 
 
-def _check_numerics(numerics: Numerics) -> None:
-    if numerics.kv_quant:
-        # kv_codec's deployment layouts are V4.1's (FP4 compressed KV); V4 keeps FP8 non-RoPE dims instead.
-        raise NotImplementedError("V4-Flash KV caches at deployment precision are not implemented; use "
-                                  "Numerics(kv_quant=False) (e.g. 'reference-bf16-kv' or 'exact')")
-
-
 def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, qr_btr: jax.Array,
                       pos_bt: jax.Array, source_caches: dict, inv_freq, numerics: Numerics):
     """-> (compressed-KV storage [B, N, head_dim], selected entries idx [B, T, K] (-1 = none), new source caches)."""
-    _check_numerics(numerics)
     b, t, _ = x_btd.shape
     dt, eps, r = numerics.dtype, cfg.rms_norm_eps, plan.ratio
+    kvq, lay = numerics.kv_quant, kv_codec.layouts(cfg)
     key = f"layer_{plan.layer_id}"
     src = dict(source_caches[key])
     rows = jnp.arange(b)[:, None]
@@ -44,11 +37,11 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
                                                   numerics=numerics)
     src.update(state)
     ckv = apply_rope(latent, key_pos, inv_freq)
-    if numerics.fake_quant:
+    if numerics.fake_quant and cfg.kv_fp8_rounding:
         ckv = fake_quant_kv_v4(ckv, cfg.qk_rope_head_dim)
     n_entries = src["kv"]["values"].shape[1]
     j_write = jnp.where(emits, pos_bt // r, n_entries)  # out of range -> dropped
-    src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(kv_codec.COMPRESSED, ckv, False, dt))
+    src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(lay.compressed, ckv, kvq, dt))
 
     visible_n = jnp.where(pos_bt >= 0, (pos_bt + 1) // r, 0)  # [B, T] entries a row may read
     if not plan.has_indexer:
@@ -65,15 +58,15 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
         ik = fake_quant_fp4_pow2(ik)
     ij_write = jnp.where(iemits, pos_bt // r, n_entries)
     src["index_k"] = kv_codec.scatter(src["index_k"], rows, ij_write,
-                                      kv_codec.encode(kv_codec.INDEX_K, ik, False, dt))
+                                      kv_codec.encode(lay.index_k, ik, kvq, dt))
 
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    iq = quant_linear(qr_btr, pi["wq_b"], numerics).reshape(b, t, hi, di)
+    iq = quant_linear(qr_btr, pi["wq_b"], numerics, act_block=cfg.act_quant_block).reshape(b, t, hi, di)
     iq = hadamard.rotate(apply_rope(iq, pos_bt[..., None], inv_freq))
     if numerics.fake_quant:
         iq = fake_quant_fp4_pow2(iq)
     w = plain_linear(x_btd, pi["weights_proj"], numerics, jnp.float32) * (di ** -0.5 * hi ** -0.5)
-    index_k = kv_codec.decode(kv_codec.INDEX_K, src["index_k"], jnp.float32)
+    index_k = kv_codec.decode(lay.index_k, src["index_k"], jnp.float32)
     dots = jnp.einsum("bthd,bsd->bths", iq.astype(jnp.float32), index_k, precision=jax.lax.Precision.HIGHEST)
     scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(n_entries)[None, None, :] < visible_n[..., None]

@@ -2,9 +2,10 @@
 
 * ``window[L]``: the layer's SWA ring, kv [B, W, head_dim] and the position held by each slot [B, W].
 * ``sources["layer_{s}"]`` for every KV-source layer s: compressed KV [B, ceil(max_len/r), head_dim],
-  index-K [B, ceil(max_len/r), index_head_dim], and for ratio 2 the fp32 pending half-pair.
-Each KV tensor is a storage dict from ``kv_codec`` ({"values"} in BF16, or {"values", "scale"} at
-deployment precision when ``numerics.kv_quant``).
+  index-K [B, ceil(max_len/r), index_head_dim] (not on V4's indexer-less ratio-128 layers), and the
+  compressor's carried fp32 rows (V4.1 ratio 2: the pending half-pair; V4: compressor_v4's windows).
+Each KV tensor is a storage dict from ``kv_codec`` ({"values"} in BF16, or at deployment precision when
+``numerics.kv_quant``: {"values", "scale"}, plus "rope" for V4-Flash's BF16 RoPE dims; ``kv_codec.layouts``).
 Positions start at -1 (empty). A slot handed to a new request needs ``reset_slots``: the window ring
 trusts any row below a chunk's first position, and with bounded replay the upper layers first write at
 P - window, so the previous occupant's rows would show through. The compressed KV and index-K need no
@@ -27,9 +28,14 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     """The cache as a pytree of jax.ShapeDtypeStruct (for memory planning without allocating)."""
     dt = numerics.dtype
     q = numerics.kv_quant
+    if q and not cfg.kv_fp8_rounding:
+        # the FP8 cache would round what this reference keeps unrounded: storage would change results
+        raise ValueError("V4-Flash's initial-revision reference does not round the KV to FP8, so it has no "
+                         "deployment-precision cache; use Numerics(kv_quant=False) (e.g. 'reference-bf16-kv')")
     w = cfg.sliding_window
+    lay = kv_codec.layouts(cfg)
     window = tuple(
-        {"kv": kv_codec.stored_shapes(kv_codec.WINDOW, (batch, w), cfg.head_dim, q, dt),
+        {"kv": kv_codec.stored_shapes(lay.window, (batch, w), cfg.head_dim, q, dt),
          "pos": jax.ShapeDtypeStruct((batch, w), jnp.int32)}
         for _ in range(cfg.num_hidden_layers)
     )
@@ -37,10 +43,11 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
         n = -(-max_len // r)
-        entry = {"kv": kv_codec.stored_shapes(kv_codec.COMPRESSED, (batch, n), cfg.head_dim, q, dt),
-                 "index_k": kv_codec.stored_shapes(kv_codec.INDEX_K, (batch, n), cfg.index_head_dim, q, dt)}
+        plan = cfg.layer_plan(s)
+        entry = {"kv": kv_codec.stored_shapes(lay.compressed, (batch, n), cfg.head_dim, q, dt)}
+        if plan.has_indexer:  # V4's ratio-128 layers attend every entry: no index-K
+            entry["index_k"] = kv_codec.stored_shapes(lay.index_k, (batch, n), cfg.index_head_dim, q, dt)
         if cfg.variant == "v4":  # the windows' projected rows, for both compressors (compressor_v4.py)
-            plan = cfg.layer_plan(s)
             entry.update(compressor_v4.state_shapes(batch, r, plan.overlap, cfg.head_dim))
             if plan.has_indexer:
                 entry.update(compressor_v4.state_shapes(batch, r, plan.overlap, cfg.index_head_dim, "idx_"))
@@ -51,13 +58,14 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     return {"window": window, "sources": sources}
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
-    def make(sd: jax.ShapeDtypeStruct) -> jax.Array:
-        # positions start empty (-1); E8M0 has no zero, so scales start at 1 to keep empty rows finite
-        fill = -1 if sd.dtype == jnp.int32 else (1 if sd.dtype == jnp.float8_e8m0fnu else 0)
-        return jnp.full(sd.shape, fill, sd.dtype)
+def init_leaf(sd: jax.ShapeDtypeStruct) -> jax.Array:
+    """An empty cache leaf: positions -1; E8M0 has no zero, so scales start at 1 to keep empty rows finite."""
+    fill = -1 if sd.dtype == jnp.int32 else (1 if sd.dtype == jnp.float8_e8m0fnu else 0)
+    return jnp.full(sd.shape, fill, sd.dtype)
 
-    return jax.tree.map(make, cache_shapes(cfg, batch, max_len, numerics))
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
+    return jax.tree.map(init_leaf, cache_shapes(cfg, batch, max_len, numerics))
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> int:

@@ -23,10 +23,11 @@ def lookup(table: dict, rows_btc: jax.Array, dtype) -> jax.Array:
     return w.reshape(*rows_btc.shape[:2], -1).astype(dtype)
 
 
-def inject(p: dict, x_bthd: jax.Array, rows_btc: jax.Array, *, eps: float, numerics: Numerics) -> jax.Array:
+def inject(p: dict, x_bthd: jax.Array, rows_btc: jax.Array, *, eps: float, numerics: Numerics,
+           act_block: int) -> jax.Array:
     b, t, hc, d = x_bthd.shape
     u = lookup(p["embed"], rows_btc, numerics.dtype)
-    kv = quant_linear(u, p["wkv"], numerics).astype(jnp.float32).reshape(b, t, hc + 1, d)
+    kv = quant_linear(u, p["wkv"], numerics, act_block=act_block).astype(jnp.float32).reshape(b, t, hc + 1, d)
     keys, val = kv[:, :, :hc], kv[:, :, hc]
     h = x_bthd.astype(jnp.float32)
     w = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # [hc, D]

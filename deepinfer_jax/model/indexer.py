@@ -26,7 +26,7 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     """I[b, t, s] = sum_h w[t, h] relu(iq[t, h] . K[s]); -inf where entry s is not yet visible."""
     b, t, _ = x_btd.shape
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    iq = quant_linear(qr_btr, p["wq_b"], numerics).reshape(b, t, hi, di)
+    iq = quant_linear(qr_btr, p["wq_b"], numerics, act_block=cfg.act_quant_block).reshape(b, t, hi, di)
     iq = apply_rope(iq, pos_bt[..., None], inv_freq)
     if numerics.fake_quant:
         iq = fake_quant_fp4_pow2(iq)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8, fit_block
 
 FP4_BLOCK = 32
 # E2M1 code -> value; index = the 4-bit nibble (sign in bit 3).
@@ -58,10 +58,18 @@ def weight_of(p: dict, dtype=jnp.float32) -> jax.Array:
     return dequant_fp8(w, p["scale"]).astype(dtype)
 
 
-def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None) -> jax.Array:
-    """An FP8/FP4-weight linear as the reference runs it: FP8 1x32 activations, fp32 accumulation."""
-    if numerics.fake_quant:
-        x = fake_quant_fp8(x)
+def act_quant(x: jax.Array, numerics: Numerics, act_block: int) -> jax.Array:
+    """The reference's activation quantization in front of an FP8/FP4 GEMM (spec §2.9, §3.1): FP8-E4M3
+    with a power-of-two scale per 1 x act_block along K (``ModelConfig.act_quant_block``: 32 for V4.1,
+    128 for V4); the identity when ``numerics.fake_quant`` is off."""
+    if not numerics.fake_quant:
+        return x
+    return fake_quant_fp8(x, fit_block(x.shape[-1], act_block))
+
+
+def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, act_block: int) -> jax.Array:
+    """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation."""
+    x = act_quant(x, numerics, act_block)
     w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)
     return dense(x.astype(w.dtype), w, numerics, out_dtype or numerics.dtype)
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
-from deepinfer_jax.model.linear import dense, dequant_fp4, quant_linear
-from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8, kernel_route
+from deepinfer_jax.model.linear import act_quant, dense, dequant_fp4, quant_linear
+from deepinfer_jax.model.numerics import Numerics, kernel_route
 from deepinfer_jax.model.selection import topk_desc
 
 
@@ -33,15 +33,19 @@ def route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, top_k: int) -> tuple[
     return ids, w * cfg.routed_scaling_factor
 
 
-def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
-    u = jnp.clip(u, -limit, limit)
-    g = jnp.minimum(g, limit)
+def swiglu(g: jax.Array, u: jax.Array, limit: float | None) -> jax.Array:
+    """silu(min(g, limit)) * clamp(u, +-limit); limit None: no clamp (V4's initial-revision shared expert)."""
+    if limit is not None:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
     return jax.nn.silu(g) * u
 
 
 def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
-                          numerics: Numerics) -> jax.Array:
+                          numerics: Numerics, act_block: int) -> jax.Array:
     """XLA path: gather each token's k experts and run them row by row -> [M, k, D] fp32.
+
+    act_block: the activation quantization block (``ModelConfig.act_quant_block``), for both GEMM inputs.
 
     Memory is M*k*(3*inter*D) dequantized weights: right for CPU tests and small batches; the GPU path
     is the grouped GEMM in ``pallas_kernels``.
@@ -53,14 +57,11 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
             return p_exp[name]["weight"][ids_mk].astype(wdt)
         return dequant_fp4(p_exp[name]["weight"][ids_mk], p_exp[name]["scale"][ids_mk]).astype(wdt)
 
-    xq = fake_quant_fp8(x_md) if numerics.fake_quant else x_md
-    xq = xq.astype(wdt)
+    xq = act_quant(x_md, numerics, act_block).astype(wdt)
     g = jnp.einsum("md,mkid->mki", xq, deq("w1"), precision=numerics.precision, preferred_element_type=jnp.float32)
     u = jnp.einsum("md,mkid->mki", xq, deq("w3"), precision=numerics.precision, preferred_element_type=jnp.float32)
     hid = swiglu(g, u, limit) * w_mk[..., None]
-    hid = hid.astype(numerics.dtype)
-    if numerics.fake_quant:
-        hid = fake_quant_fp8(hid)
+    hid = act_quant(hid.astype(numerics.dtype), numerics, act_block)
     return jnp.einsum("mki,mkdi->mkd", hid.astype(wdt), deq("w2"), precision=numerics.precision,
                       preferred_element_type=jnp.float32)
 
@@ -92,7 +93,7 @@ def _grouped_unsupported(p_exp: dict, numerics: Numerics) -> tuple[str | None, s
 
 
 def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
-                           numerics: Numerics, impl: str | None = None) -> jax.Array:
+                           numerics: Numerics, act_block: int, impl: str | None = None) -> jax.Array:
     """``routed_experts_gather`` on ``pallas_kernels.grouped_gemm.grouped_matmul`` -> [M, k, D] fp32.
 
     Rows are the (token, rank) pairs; the op sorts them by expert, runs fixed-size one-expert tiles and
@@ -119,14 +120,12 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
         return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl,
                               selection=_auto_selection())
 
-    xq = fake_quant_fp8(x_md) if numerics.fake_quant else x_md
+    xq = act_quant(x_md, numerics, act_block)
     x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
     g = mm(x_rows, "w1")
     u = mm(x_rows, "w3")
     hid = swiglu(g, u, limit) * w_mk.reshape(m * k)[:, None]
-    hid = hid.astype(numerics.dtype)
-    if numerics.fake_quant:
-        hid = fake_quant_fp8(hid)
+    hid = act_quant(hid.astype(numerics.dtype), numerics, act_block)
     return mm(hid.astype(jnp.bfloat16), "w2").reshape(m, k, -1)
 
 
@@ -139,7 +138,7 @@ def _auto_selection():
 
 
 def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
-                   numerics: Numerics) -> jax.Array:
+                   numerics: Numerics, act_block: int) -> jax.Array:
     """The routed experts on the implementation ``numerics.kernels`` picks (numerics.py): the gather
     path, or the grouped GEMM (Pallas kernel on Hopper, its tiled XLA fallback elsewhere)."""
     op_why, kernel_why = _grouped_unsupported(p_exp, numerics)
@@ -148,18 +147,18 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
             from pallas_kernels.registry import KernelUnavailableError
 
             raise KernelUnavailableError(f"experts: the Pallas kernel was requested but {op_why}")
-        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics)
+        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block)
     route, impl = kernel_route(numerics, "experts", "grouped_matmul", kernel_why)
     if route == "model":
-        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics)
-    return routed_experts_grouped(p_exp, x_md, ids_mk, w_mk, limit, numerics, impl)
+        return routed_experts_gather(p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block)
+    return routed_experts_grouped(p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block, impl)
 
 
-def shared_expert(p: dict, x_md: jax.Array, limit: float, numerics: Numerics) -> jax.Array:
-    g = quant_linear(x_md, p["w1"], numerics, jnp.float32)
-    u = quant_linear(x_md, p["w3"], numerics, jnp.float32)
+def shared_expert(p: dict, x_md: jax.Array, limit: float | None, numerics: Numerics, act_block: int) -> jax.Array:
+    g = quant_linear(x_md, p["w1"], numerics, jnp.float32, act_block=act_block)
+    u = quant_linear(x_md, p["w3"], numerics, jnp.float32, act_block=act_block)
     hid = swiglu(g, u, limit).astype(numerics.dtype)
-    return quant_linear(hid, p["w2"], numerics, jnp.float32)
+    return quant_linear(hid, p["w2"], numerics, jnp.float32, act_block=act_block)
 
 
 def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: int | None = None,
@@ -174,8 +173,9 @@ def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: 
         ids, w = hash_route(p["gate"], cfg, x, token_ids)
     else:
         ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
-    routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics)
-    y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit, numerics)
+    ab = cfg.act_quant_block
+    routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics, ab)
+    y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None, numerics, ab)
     for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
         y = y + routed[:, k]
     return y.astype(numerics.dtype).reshape(b, t, d)

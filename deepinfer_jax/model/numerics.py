@@ -130,6 +130,19 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(*lead, k // block, block)
 
 
+def fit_block(k: int, block: int) -> int:
+    """The quantizer block used along a last axis of k values: ``block``, or one block of all k when
+    k < block. The official kernels require k % block == 0 (true of every real V4.1 / V4 dimension);
+    only tiny test configs have rows shorter than a block (V4's 128-wide activation blocks, its 64-wide
+    KV blocks), and they quantize such a row as one block rather than refuse to run."""
+    if k % block == 0:
+        return block
+    if k < block:
+        return k
+    raise ValueError(f"a last axis of {k} values is neither a multiple of the quantization block {block} "
+                     "nor shorter than one block")
+
+
 def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """FP8-E4M3 with one power-of-two scale per ``block`` values along the last axis (amax floored at 1e-4)."""
     xb = _blocks(x.astype(jnp.float32), block)

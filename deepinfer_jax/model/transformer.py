@@ -10,14 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config import LayerPlan, ModelConfig
 from deepinfer_jax.model import engram, hc_head, mhc
 from deepinfer_jax.model.attention import attention
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics
 
-__all__ = ["Numerics", "forward", "forward_hidden", "lm_head"]
+__all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", "lm_head"]
 
 
 def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
@@ -27,21 +27,32 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
           cache: dict, published: dict, numerics: Numerics, parallel=None, tokens_bt: jax.Array | None = None):
-    """One block. V4.1 (delayed-pre mHC): attention collapses with the carried pre, the FFN with the
-    attention site's pre, and the FFN site's pre is carried to the next block. V4 (cfg.delayed_pre_mhc
-    off): each site collapses with its own pre; the carried pre is unused.
+    """Backbone block ``layer_id`` on the whole cache: -> (stream [B, T, hc, D], pre to carry, new cache)."""
+    x_bthd, f_pre, new_win, sources = block_step(p, cfg, cfg.layer_plan(layer_id), x_bthd, carried_pre, pos_bt,
+                                                 cache["window"][layer_id], cache["sources"], published, numerics,
+                                                 parallel, tokens_bt)
+    window = tuple(new_win if i == layer_id else w for i, w in enumerate(cache["window"]))
+    return x_bthd, f_pre, {"window": window, "sources": sources}
+
+
+def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, carried_pre: jax.Array | None,
+               pos_bt: jax.Array, window_cache: dict, sources: dict, published: dict, numerics: Numerics,
+               parallel=None, tokens_bt: jax.Array | None = None):
+    """One block on its own window ring -> (stream [B, T, hc, D], FFN pre [B, T, hc], new ring, sources).
+
+    V4.1 (delayed-pre mHC): attention collapses with the carried pre, the FFN with the attention site's
+    pre, and the FFN site's pre is carried to the next block. V4 (cfg.delayed_pre_mhc off): each site
+    collapses with its own pre; the carried pre is unused (None is fine).
 
     parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None.
     tokens_bt: the token ids, needed by hash-routed MoE layers (V4's first num_hash_layers)."""
-    plan = cfg.layer_plan(layer_id)
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
     a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg)
     attn_pre = carried_pre if cfg.delayed_pre_mhc else a_pre
     x = rms_norm(mhc.pre_apply(x_bthd, attn_pre, dt), p["attn_norm"]["weight"], eps, dt)
     attend = attention if parallel is None else parallel.attention
-    attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, cache["window"][layer_id],
-                                        cache["sources"], published, numerics)
+    attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, window_cache, sources, published, numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
     f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg)
     x = rms_norm(mhc.pre_apply(x_bthd, a_pre if cfg.delayed_pre_mhc else f_pre, dt), p["ffn_norm"]["weight"], eps, dt)
@@ -49,8 +60,7 @@ def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_p
     hash_ids = tokens_bt.reshape(-1) if plan.hash_routed else None
     x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl, token_ids=hash_ids),
                             x_bthd, f_post, f_comb, dt)
-    window = tuple(new_win if i == layer_id else w for i, w in enumerate(cache["window"]))
-    return x_bthd, f_pre, {"window": window, "sources": sources}
+    return x_bthd, f_pre, new_win, sources
 
 
 PARTS = ("all", "lower", "upper")
@@ -92,7 +102,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
         if layer_id in cfg.engram_layer_ids:
             rows = engram_rows_btnc[:, :, cfg.engram_layer_ids.index(layer_id)]
             x_bthd = edge(engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
-                                        numerics=numerics))
+                                        numerics=numerics, act_block=cfg.act_quant_block))
         pos = positions_bt if layer_id <= last_source else upper_pos
         x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
                                    numerics, parallel, tokens_bt=tokens_bt)
@@ -101,13 +111,23 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
             states.append(x_bthd)
     if part == "lower":
         return (x_bthd, pre, published), cache
-    if cfg.has_hc_head:  # V4: the final collapse has its own learned mix
-        pre = hc_head.hc_head_pre(x_bthd, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"],
-                                  norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
-    h = edge(rms_norm(mhc.pre_apply(x_bthd, pre, dt), params["norm"]["weight"], cfg.rms_norm_eps, dt))
+    h = edge(head_input(params, cfg, x_bthd, pre, numerics))
     if return_layer_states:
         return h, cache, states
     return h, cache
+
+
+def head_input(p: dict, cfg: ModelConfig, x_bthd: jax.Array, carried_pre: jax.Array | None,
+               numerics: Numerics) -> jax.Array:
+    """The final collapse of the stream [B, T, hc, D] and its norm -> h [B, T, D]. V4: a learned mix from
+    p's ``hc_head_*`` (the model's, or an MTP layer's own, spec §3.5-3.6); V4.1: the carried pre. Then
+    RMS with ``p["norm"]``."""
+    pre = carried_pre
+    if cfg.has_hc_head:
+        pre = hc_head.hc_head_pre(x_bthd, p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"],
+                                  norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+    dt = numerics.dtype
+    return rms_norm(mhc.pre_apply(x_bthd, pre, dt), p["norm"]["weight"], cfg.rms_norm_eps, dt)
 
 
 def lm_head(params: dict, h_btd: jax.Array) -> jax.Array:

@@ -46,9 +46,9 @@ class ParallelContext:
         return attention_tp(p, cfg, plan, x_btd, pos_bt, layer_cache, source_caches, published, numerics,
                             mesh=self.mesh, rules=self.rules)
 
-    def routed_experts(self, p_exp, x_md, ids_mk, w_mk, limit, numerics):
-        return routed_experts_ep(p_exp, x_md, ids_mk, w_mk, limit, numerics, mesh=self.mesh, rules=self.rules,
-                                 local_impl=self.experts_local_impl, combine=self.ep_combine)
+    def routed_experts(self, p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block):
+        return routed_experts_ep(p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block, mesh=self.mesh,
+                                 rules=self.rules, local_impl=self.experts_local_impl, combine=self.ep_combine)
 
     def logits_sharding(self) -> NamedSharding:
         vocab = self.rules.mesh_axes("vocab")

@@ -31,7 +31,7 @@ from deepinfer_jax.model.numerics import Numerics
 from deepinfer_jax.parallel.collectives import flat_axis_index, ordered_sum
 from deepinfer_jax.sharding import DEFAULT_RULES, ShardingError, ShardingRules, mesh_spec_of
 
-# (p_exp, x_md, ids_mk, w_mk, limit, numerics) -> [M, k, D] fp32: the single-device expert function.
+# (p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block) -> [M, k, D] fp32: the single-device expert function.
 ExpertsFn = Callable[..., jax.Array]
 
 
@@ -40,7 +40,7 @@ def _spec(axes: tuple[str, ...]) -> P:
 
 
 def routed_experts_ep(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
-                      numerics: Numerics, *, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
+                      numerics: Numerics, act_block: int, *, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
                       local_impl: ExpertsFn = routed_experts_gather, combine: str = "gather") -> jax.Array:
     """Drop-in for ``routed_experts_gather`` on a mesh -> [M, k, D] fp32 (rows split like the batch).
 
@@ -62,7 +62,8 @@ def routed_experts_ep(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax
     def local(p, x, ids, w):
         lo = flat_axis_index(exp_axes) * e_local
         owned = (ids >= lo) & (ids < lo + e_local)
-        r = local_impl(p, x, jnp.where(owned, ids - lo, 0), jnp.where(owned, w, 0.0), limit, numerics)
+        r = local_impl(p, x, jnp.where(owned, ids - lo, 0), jnp.where(owned, w, 0.0), limit, numerics,
+                       act_block)
         r = jnp.where(owned[..., None], r.astype(jnp.float32), 0.0)
         if combine == "psum" and exp_axes:
             return jax.lax.psum(r, exp_axes)

@@ -1,0 +1,118 @@
+"""Activation fake-quantization blocks (spec §2.9: 1x32 for V4.1; §3.1: 1x128 for V4-Flash), from the config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model import linear
+from deepinfer_jax.model.cache import init_cache
+from deepinfer_jax.model.linear import act_quant, quant_linear
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+from deepinfer_jax.model.transformer import forward
+from reference import numpy_v41 as ref
+
+FIXTURES = Path(__file__).parent / "fixtures"
+V4 = json.loads((FIXTURES / "v4_flash_config.json").read_text())
+V41 = json.loads((FIXTURES / "v41_flash_config.json").read_text())
+FQ_ONLY = Numerics("float32", True, False)  # fp32 activations with the quantizers: isolates the quantizer
+
+
+def test_block_follows_the_weight_block_of_the_config():
+    assert ModelConfig.from_dict(V4).act_quant_block == 128
+    assert ModelConfig.from_dict(V41).act_quant_block == 32
+    other = {**V4, "quantization_config": {**V4["quantization_config"], "weight_block_size": [64, 64]}}
+    assert ModelConfig.from_dict(other).act_quant_block == 64
+
+
+def test_hand_case_128_vs_32():
+    """Row of 256: 448, then 127 x 0.013 (block 0 of 128), then 128 x 0.013.
+    Block of 128 with amax 448: scale 2^ceil(log2(448/448)) = 1; 0.013 is E4M3-subnormal there (step 2^-9):
+    0.013 / 2^-9 = 6.66 -> 7 -> 0.013671875. A block holding only 0.013: scale 2^ceil(log2(0.013/448))
+    = 2^-15; 0.013 * 2^15 = 425.98 lies between the E4M3 neighbours 416 and 448 -> 416 -> 0.0126953125.
+    So with 128-blocks the first 127 small values round coarsely, with 32-blocks only the first 31 do."""
+    x = np.full(256, 0.013, np.float32)
+    x[0] = 448.0
+    coarse, fine = 0.013671875, 0.0126953125
+    want128 = np.array([448.0] + [coarse] * 127 + [fine] * 128, np.float32)
+    want32 = np.array([448.0] + [coarse] * 31 + [fine] * 224, np.float32)
+    got128 = np.asarray(act_quant(jnp.asarray(x[None]), FQ_ONLY, 128))[0]
+    got32 = np.asarray(act_quant(jnp.asarray(x[None]), FQ_ONLY, 32))[0]
+    assert np.array_equal(got128, want128) and np.array_equal(got32, want32)
+    assert np.array_equal(np.asarray(act_quant(jnp.asarray(x), Numerics.exact(), 128)), x)  # quantizers off
+
+
+def test_matches_the_numpy_quantizer_bitwise():
+    """Random rows over six decades of magnitude vs the float64 numpy reference quantizer at block 128."""
+    r = np.random.default_rng(0)
+    x = (r.standard_normal((6, 512)) * np.exp(r.uniform(-8, 6, (6, 512)))).astype(np.float32)
+    want = ref.fake_quant_fp8(x.astype(np.float64), block=128)
+    got = np.asarray(act_quant(jnp.asarray(x), FQ_ONLY, 128), np.float64)
+    assert np.array_equal(got, want)
+    assert not np.array_equal(want, ref.fake_quant_fp8(x.astype(np.float64), block=32))  # the block matters
+
+
+def test_quant_linear_uses_the_given_block():
+    """K = 256 with 32-blocks of magnitude 1, 2^-4, 2^-8, 2^-12 (x2) and weights scaled inversely, so every
+    product matters: a 128-block quantizes the small blocks coarsely, a 32-block does not. Against float64
+    numpy on the 128-block activations the only error is fp32 accumulation, at most K * 2^-24 = 1.5e-5 of
+    sum |x_q||w| (measured 5e-8); the 32-block result is 4e-4 .. 2e-3 away, so the bound tells them apart."""
+    r = np.random.default_rng(1)
+    s = np.repeat(2.0 ** (-4 * (np.arange(8) % 4)), 32)
+    x = (r.standard_normal((4, 256)) * s).astype(np.float32)
+    w = (r.standard_normal((48, 256)) / s / 16).astype(np.float32)
+    got = np.asarray(quant_linear(jnp.asarray(x), {"weight": jnp.asarray(w)}, FQ_ONLY, act_block=128), np.float64)
+    xq = ref.fake_quant_fp8(x.astype(np.float64), block=128)
+    want = xq @ w.T.astype(np.float64)
+    other = ref.fake_quant_fp8(x.astype(np.float64), block=32) @ w.T.astype(np.float64)
+    norm = np.abs(xq) @ np.abs(w.T.astype(np.float64))
+    bound = 256 * 2.0**-24
+    assert (np.abs(got - want) / norm).max() < bound < (np.abs(other - want) / norm).max()
+
+
+def _traced_act_blocks(monkeypatch, cfg, params):
+    """{(K, block)} of every activation quantization in one traced forward (jax.eval_shape: no compile).
+    ``linear.act_quant`` is the one funnel of activation quantization (quant_linear, both expert paths);
+    the KV quantizers call ``numerics.fake_quant_fp8`` under their own name and are not counted."""
+    seen = set()
+
+    def spy(x, block=32):
+        seen.add((x.shape[-1], block))
+        return fake_quant_fp8(x, block)
+
+    monkeypatch.setattr(linear, "fake_quant_fp8", spy)
+    numerics = Numerics.reference(kv_quant=False)  # the KV storage format does not touch these sites
+    tok = jnp.zeros((1, 4), jnp.int32)
+    pos = jnp.arange(4, dtype=jnp.int32)[None]
+    rows = None
+    if cfg.engram_layer_ids:
+        rows = jnp.zeros((1, 4, len(cfg.engram_layer_ids), cfg.engram_columns), jnp.int32)
+    jax.eval_shape(lambda p, c: forward(p, cfg, c, tok, pos, rows, numerics), params, init_cache(cfg, 1, 16, numerics))
+    return seen
+
+
+def test_every_site_of_the_v4_forward_uses_the_config_block(monkeypatch, tiny_v4):
+    """Tiny V4-Flash (weight blocks 128): every GEMM input is shorter than 128 (K = 64 = hidden_size; 32 =
+    q_lora_rank = o_groups x o_lora_rank = moe_intermediate_size), so each row is one block of K
+    (numerics.fit_block); with 32-blocks (V4.1's) the 64-wide rows would be two blocks."""
+    cfg, params, _ = tiny_v4
+    seen = _traced_act_blocks(monkeypatch, cfg, params)
+    assert {k for k, _ in seen} == {cfg.hidden_size, cfg.q_lora_rank, cfg.o_groups * cfg.o_lora_rank,
+                                    cfg.moe_intermediate_size}
+    assert all(block == k for k, block in seen), sorted(seen)
+
+
+def test_every_site_of_the_v41_forward_uses_32(monkeypatch, tiny_params, tiny_cfg):
+    seen = _traced_act_blocks(monkeypatch, tiny_cfg, tiny_params)
+    assert {block for _, block in seen} == {32} and len({k for k, _ in seen}) >= 3, sorted(seen)
+
+
+def test_a_row_longer_than_a_block_must_divide():
+    with pytest.raises(ValueError, match="neither a multiple"):
+        act_quant(jnp.ones((1, 192)), FQ_ONLY, 128)
