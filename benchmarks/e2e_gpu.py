@@ -50,7 +50,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # n
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
-from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, params_bytes, random_params,  # noqa: E402
+from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
                          slice_config, synthetic_cache)
 
 RESULTS: dict = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "sections": {}}
@@ -101,7 +101,6 @@ def ceilings(tiny: bool):
     jax.block_until_ready(f(a))
     ms = timed_ms(lambda: f(a))
     copy = 2 * a.nbytes / (ms * 1e-3)
-    del a
     m = 512 if tiny else 8192
     x = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     y = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
@@ -288,7 +287,7 @@ def main(argv=None):
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
     m = Model(cfg, params, tok, token_map)
-    RESULTS["slice"] = dict(layers=args.layers, weight_bytes=params_bytes(params), build_s=time.time() - t,
+    RESULTS["slice"] = dict(layers=args.layers, weight_bytes=tree_bytes(params), build_s=time.time() - t,
                             roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
                             matmul_macs_per_token=matmul_macs_per_token(cfg, params))
     log(f"slice: {RESULTS['slice']}")

@@ -29,6 +29,7 @@ from deepinfer_jax.checkpoint.names import JNP_DTYPES, param_path
 from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, expected_tensors
 from deepinfer_jax.config import AttnMode, ModelConfig
 from deepinfer_jax.engine.token_map import compressed_token_map
+from deepinfer_jax.model import kv_codec
 from deepinfer_jax.model.cache import init_cache
 from deepinfer_jax.model.engram_hash import engram_primes
 from deepinfer_jax.model.numerics import Numerics, fp8_scale
@@ -186,8 +187,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, progress=None) -> dict:
     return tree
 
 
-def params_bytes(params) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(params))
+def tree_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 # ---- a cache as it stands after `context` tokens --------------------------------------------------------
@@ -226,8 +227,10 @@ def synthetic_cache(cfg: ModelConfig, batch: int, max_len: int, context: int, nu
 
 # ---- what one step must move and compute ----------------------------------------------------------------
 
-def _leaf_bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+def _entry_bytes(layout, dim: int, kv_quant: bool) -> int:
+    """Bytes of one cache entry as the codec stores it (kv_codec: 528 / 288 / 68 B for V4.1 quantized)."""
+    shapes = kv_codec.stored_shapes(layout, (), dim, kv_quant, jnp.bfloat16)
+    return sum(math.prod(sd.shape) * sd.dtype.itemsize for sd in shapes.values())
 
 
 def expected_active_experts(n_experts: int, picks: int) -> float:
@@ -242,17 +245,18 @@ def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: b
     and left out."""
     weights = 0
     experts = 0.0
-    for lid, layer in enumerate(params["layers"]):
+    for layer in params["layers"]:
         ex = layer["ffn"]["experts"]
-        per_expert = _leaf_bytes(ex) / cfg.n_routed_experts
-        weights += _leaf_bytes(layer) - _leaf_bytes(ex)
+        per_expert = tree_bytes(ex) / cfg.n_routed_experts
+        weights += tree_bytes(layer) - tree_bytes(ex)
         if "engram" in layer:
-            weights -= _leaf_bytes(layer["engram"]["embed"])  # rows gathered, counted below
+            weights -= tree_bytes(layer["engram"]["embed"])  # rows gathered, counted below
         experts += per_expert * expected_active_experts(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
     weights += params["head"]["weight"].nbytes + params["norm"]["weight"].nbytes
-    row_win = 528 if kv_quant else 2 * cfg.head_dim
-    row_kv = 288 if kv_quant else 2 * cfg.head_dim
-    row_ik = 68 if kv_quant else 2 * cfg.index_head_dim
+    lay = kv_codec.layouts(cfg)
+    row_win = _entry_bytes(lay.window, cfg.head_dim, kv_quant)
+    row_kv = _entry_bytes(lay.compressed, cfg.head_dim, kv_quant)
+    row_ik = _entry_bytes(lay.index_k, cfg.index_head_dim, kv_quant)
     kv = 0
     for lid in range(cfg.num_hidden_layers):
         plan = cfg.layer_plan(lid)
