@@ -319,6 +319,71 @@ def test_kernel_in_gpu_interpreter_row_alone_equals_row_in_batch():
     assert np.array_equal(_bits(among[6]), _bits(alone[0]))
 
 
+# ---- FP4 "bits" dequantization and the wgmma overlap: the same bf16 operands as before, so the same bits ----
+
+def test_fp4_bit_placement_gives_the_arith_values_for_every_byte_and_scale():
+    """Every byte (all 16 x 16 nibble pairs) times every E8M0 byte the "bits" mode covers (0..240):
+    bit placement + float16 -> float32 + the 2^14-folded scale rounds to the same bf16 bits as the
+    float polynomial times the plain scale; and the unscaled values are the E2M1 table, signed zeros too."""
+    from pallas_kernels.grouped_gemm.kernel import (_e8m0_row_to_f32, _e8m0_row_to_f32_times_2_14, _f16_bits_to_f32,
+                                                    _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32)
+
+    q = jnp.arange(256, dtype=jnp.int32)[None, :]
+    b = jnp.arange(241, dtype=jnp.int32)[:, None].astype(jnp.uint8)
+    halves = _fp4_bytes_to_f16_bits(q)
+    for h, nib in zip(halves, (q & 15, q >> 4)):
+        new = (_f16_bits_to_f32(h) * _e8m0_row_to_f32_times_2_14(b)).astype(jnp.bfloat16)
+        old = (_fp4_nibble_to_f32(nib) * _e8m0_row_to_f32(b)).astype(jnp.bfloat16)
+        assert np.array_equal(_bits(new), _bits(old))
+        want = _FP4[np.asarray(nib)[0]]
+        got = np.asarray(_f16_bits_to_f32(h))[0] * 2.0 ** 14
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def _fp4_weights_every_byte(rng, g, n, k):
+    """FP4 weights holding every byte value, with scales mixing 2^-125, 2^-20, 2^20 and 2^113 into
+    the usual range near 2^0."""
+    w = rng.integers(0, 256, (g, n, k // 2))
+    w.reshape(-1)[:256] = np.arange(256)
+    s = rng.integers(120, 135, (g, n, k // 32))
+    extreme = rng.random(s.shape) < 0.25
+    s[extreme] = rng.choice([2, 107, 147, 240], int(extreme.sum()))
+    return jnp.asarray(w, jnp.uint8), jnp.asarray(s, jnp.uint8)
+
+
+_OLD_KERNEL = dict(fp4_dequant="arith", overlap_wgmma=False)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8], ids=lambda f: f.value)
+def test_kernel_new_dequant_is_bitwise_the_old_one_in_gpu_interpreter(fmt):
+    """The default kernel ("bits" FP4 decode, block c+1 dequantized under block c's wgmma) gives the
+    bits of the earlier kernel ("arith", wait after every block), and matches the reference."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(9)
+    g, n, k, m = 2, 128, 192, 11
+    if fmt is WeightFormat.FP4:
+        w, s = _fp4_weights_every_byte(rng, g, n, k)
+    else:
+        w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray([1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1], jnp.int32)
+    old_cfg = dataclasses.replace(_TINY_CFG, **_OLD_KERNEL)
+    with _interpret():
+        new = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_TINY_CFG)
+        old = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=old_cfg)
+        new16 = grouped_matmul_pallas(x, w, gid, s, config=_TINY_CFG)
+        old16 = grouped_matmul_pallas(x, w, gid, s, config=old_cfg)
+    assert not races_found()
+    assert np.array_equal(_bits(new), _bits(old)) and np.array_equal(_bits(new16), _bits(old16))
+    want = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    # Scales differ by up to 2^238 between blocks of a row: each row's error is relative to its own size.
+    assert np.all(np.abs(np.asarray(new) - want) <= 1e-5 * np.abs(want).max(axis=1, keepdims=True))
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4], ids=lambda f: f.value)
 def test_register_operand_kernel_lowers_for_hopper(fmt):
     """The GPU configuration (dequantized A in registers) passes Mosaic GPU's lowering for CUDA,
@@ -334,7 +399,9 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
     else:
         w = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
         s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
-    cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3)
-    lowered = jax.jit(lambda *a: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    for extra in ({}, _OLD_KERNEL, dict(fp4_dequant="bits", overlap_wgmma=False),
+                  dict(fp4_dequant="arith", overlap_wgmma=True)):
+        cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3, **extra)
+        lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()

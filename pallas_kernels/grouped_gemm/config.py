@@ -11,6 +11,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 
 SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
 _BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
+FP4_DEQUANT_MODES = ("bits", "arith")
 
 
 class WeightFormat(enum.Enum):
@@ -38,6 +39,13 @@ class GroupedMatmulConfig:
     a_from_registers: FP8/FP4 only: feed the dequantized weights to wgmma from registers (True) or
         stage each 32-column block through shared memory first (False; slower, but the form the
         Mosaic GPU interpreter can run, whose wgmma reads shared memory only).
+    fp4_dequant: how the consumers decode FP4 nibbles (same bf16 values either way, so the same output
+        bits): "bits" places each nibble's bits into a float16 (value * 2^-14; the 2^14 is folded into
+        the scale) and converts to float32 in hardware, ~7 ALU ops per element; "arith" is the earlier
+        float polynomial (~18 ops), kept so one GPU run can time both.
+    overlap_wgmma: let the dequantization of scale block c+1 run while block c's wgmma is in flight
+        (wait for one group, not zero; the staged A tile gets two buffers per consumer). Same summation
+        order as False, so the same bits.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 
@@ -46,6 +54,8 @@ class GroupedMatmulConfig:
     block_k: int = 128
     stages: int = 4
     a_from_registers: bool = True
+    fp4_dequant: str = "bits"
+    overlap_wgmma: bool = True
     xla_block_m: int = 8
 
     def __post_init__(self):
@@ -58,6 +68,8 @@ class GroupedMatmulConfig:
             raise ValueError(f"block_k={self.block_k} must be a positive multiple of 64")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2 to overlap copies with compute")
+        if self.fp4_dequant not in FP4_DEQUANT_MODES:
+            raise ValueError(f"fp4_dequant={self.fp4_dequant!r} must be one of {FP4_DEQUANT_MODES}")
         if self.xla_block_m < 1:
             raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
 
@@ -68,7 +80,9 @@ def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:
     w_tile = cfg.block_n * cfg.block_k * fmt.weight_bits // 8
     s_tile = 0 if fmt is WeightFormat.BF16 else (cfg.block_k // SCALE_BLOCK) * cfg.block_n
     out_tile = cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
-    a_stage = cfg.block_n * SCALE_BLOCK * 2 if (fmt is not WeightFormat.BF16 and not cfg.a_from_registers) else 0
+    a_stage = 0
+    if fmt is not WeightFormat.BF16 and not cfg.a_from_registers:
+        a_stage = cfg.block_n * SCALE_BLOCK * 2 * (2 if cfg.overlap_wgmma else 1)
     return cfg.stages * (x_tile + w_tile + s_tile) + out_tile + a_stage + _BARRIER_SLACK
 
 

@@ -51,6 +51,32 @@ def _e8m0_row_to_f32(s_u8):
     return lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
 
 
+def _e8m0_row_to_f32_times_2_14(s_u8):
+    """E8M0 bytes -> 2^(b-127) * 2^14 as float32 (b=0 gives 0 like ``_e8m0_row_to_f32``).
+
+    The 2^14 undoes the float16 placement of ``_fp4_bytes_to_f16_bits``. Exact for b <= 240; b >= 241
+    (scales >= 2^114) would need an exponent past float32's, and differs from the "arith" mode."""
+    b = s_u8.astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(b == 0, 0, (b + 14) << 23), jnp.float32)
+
+
+def _fp4_bytes_to_f16_bits(q):
+    """Packed FP4 bytes (int32 0..255) -> float16 bit patterns [low nibbles, high nibbles] as int32.
+
+    An E2M1 nibble's 3 magnitude bits (2 exponent, 1 mantissa) go to float16 bits 9-11, straddling its
+    exponent field, and the sign to bit 15. That float16 is exactly the E2M1 value * 2^-14: code 1 (0.5)
+    becomes the float16 subnormal 2^-15, which the float16 -> float32 conversion widens exactly, and
+    codes 2-7 become normal numbers with the same exponent steps as E2M1. Six integer ops per byte
+    instead of a float polynomial per nibble, and no subnormal float32 or bfloat16 anywhere."""
+    lo = ((q << 9) & 0x0E00) | ((q << 12) & 0x8000)
+    hi = ((q << 5) & 0x0E00) | ((q << 8) & 0x8000)
+    return lo, hi
+
+
+def _f16_bits_to_f32(h):
+    return lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
 def _fp4_nibble_to_f32(nib):
     """E2M1 code (int32 0..15, sign in bit 3) -> its value, with float arithmetic only (no table lookup).
 
@@ -76,11 +102,16 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     out_swizzle = plgpu.find_swizzle(bm * out_itemsize * 8, "out")
     out_transforms = _tiled(out_swizzle, out_itemsize)
     copies_per_step = 3 if quant else 2
+    overlap = quant and cfg.overlap_wgmma
+    a_bufs = 2 if overlap else 1
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    fp4_bits = fmt is WeightFormat.FP4 and cfg.fp4_dequant == "bits"
 
     def dequant_block(w_smem, s_smem, slot, rows, c):
         """[wg_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order)."""
-        scale = _e8m0_row_to_f32(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False))
+        s_u8 = plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False)
+        scale = _e8m0_row_to_f32_times_2_14(s_u8) if fp4_bits else _e8m0_row_to_f32(s_u8)
         scale = lax.broadcast_in_dim(scale, (wg_rows, SCALE_BLOCK), [0])
         if fmt is WeightFormat.FP8:
             q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)],
@@ -90,7 +121,10 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
             q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
                            layout=plgpu.Layout.WGMMA, optimized=False)
             q = q.astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
-            vals = jnp.concatenate([_fp4_nibble_to_f32(q & 15), _fp4_nibble_to_f32(q >> 4)], axis=1)
+            if fp4_bits:
+                vals = _f16_bits_to_f32(jnp.concatenate(_fp4_bytes_to_f16_bits(q), axis=1))
+            else:
+                vals = jnp.concatenate([_fp4_nibble_to_f32(q & 15), _fp4_nibble_to_f32(q >> 4)], axis=1)
         return (vals * scale).astype(jnp.bfloat16)
 
     def body(tile_group_ref, x_ref, w_ref, *rest):
@@ -139,15 +173,30 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                         for c in range(bk // SCALE_BLOCK):
                             a = dequant_block(w_smem, s_smem, slot, rows, c)
                             if not cfg.a_from_registers:
-                                a_smem.at[half][...] = a
+                                buf = a_smem.at[half, c % a_bufs]
+                                buf[...] = a
                                 plgpu.commit_smem()
-                                a = a_smem.at[half]
+                                a = buf
                             plgpu.wgmma(acc_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
-                            plgpu.wgmma_wait(0)   # the next block overwrites a
+                            if not overlap:
+                                plgpu.wgmma_wait(0)   # the next block overwrites a
+                                continue
+                            # Block c-1's wgmma (and its A) is done; block c's runs while c+1 is dequantized.
+                            plgpu.wgmma_wait(1)
+                            if c == 0:
+                                # ... and with it the previous step's last wgmma: release that step's slot.
+                                @pl.when(i > 0)
+                                def _():
+                                    plgpu.barrier_arrive(empty.at[lax.rem(i + stages - 1, stages)])
                     else:
                         plgpu.wgmma(acc_ref, w_smem.at[slot, rows], x_smem.at[slot].T)
                         plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(empty.at[slot])
+                    if not overlap:
+                        plgpu.barrier_arrive(empty.at[slot])
+
+                if overlap:
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[(n_steps - 1) % stages])
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
@@ -172,7 +221,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
     s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
     a_staged = quant and not cfg.a_from_registers
-    a_shape = (2, wg_rows, SCALE_BLOCK) if a_staged else (1, 8, 32)      # dequantized A, staged in SMEM
+    a_shape = (2, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
     scratch = (
         (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
          plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
