@@ -16,6 +16,14 @@ is recorded and the next section runs):
    plain dense dot as negative controls (they should report DIFFERS);
 5. jax's ``ragged_dot_mgpu`` example as a baseline where it imports and compiles in time.
 A compact table is printed last.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --dequant-ab     # ~2-3 min on an H200
+
+runs only the copy ceiling and an A/B of the quantized kernels' dequantization (section 6): FP4 with the
+old float polynomial ("arith") or bit placement ("bits"), each with and without the wgmma overlap, and FP8
+with and without the overlap, at decode 64 and 512 tokens x 6 and prefill 32k x 6; it prints kernel ms,
+weight TB/s and the fraction of copy bandwidth, and whether each variant's output is bitwise the old
+kernel's (it should be: the variants feed wgmma the same bf16 values in the same order).
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ TOP_K = 6
 TOKENS = tuple(int(v) for v in os.environ.get("GG_TOKENS", "64,512,8192,32768").split(","))
 PROBE_G = 11 % G_EXPERTS
 OUT = Path(os.environ.get("OUT", "/tmp"))
-BUDGET_S = float(os.environ.get("GG_BUDGET_S", "170"))
+DEQUANT_AB = "--dequant-ab" in sys.argv[1:]
+BUDGET_S = float(os.environ.get("GG_BUDGET_S", "210" if DEQUANT_AB else "170"))
 T0 = time.time()
 RESULTS: dict = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "sections": {}}
 TABLE: list[str] = []
@@ -60,8 +69,15 @@ def save():
     (OUT / "grouped_gemm_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
+_AB_SECTIONS = ("ceilings", "dequant_ab")
+
+
 def section(name: str, need_s: float):
     def deco(fn):
+        if (name not in _AB_SECTIONS) if DEQUANT_AB else (name == "dequant_ab"):
+            if DEQUANT_AB:
+                RESULTS["sections"][name] = "skipped: --dequant-ab"
+            return None
         if left() < need_s:
             RESULTS["sections"][name] = f"skipped: {left():.0f} s left, needs {need_s:.0f}"
             print(f"[{name}] skipped ({left():.0f} s left)", flush=True)
@@ -190,6 +206,9 @@ def _():
     ms, _ = kernel_times_ms(jax.jit(lambda v: v + 1.0), a)
     CEIL["copy_tb_s"] = 2 * a.nbytes / (ms * 1e-3) / 1e12
     del a
+    if DEQUANT_AB:
+        TABLE.append(f"copy bandwidth {CEIL['copy_tb_s']:.2f} TB/s")
+        return dict(CEIL)
     m = TOKENS[3] * TOP_K
     x = rows(jax.random.key(2), m)
     wt = jax.random.normal(jax.random.key(3), (K_HIDDEN, N_WIDTH), jnp.bfloat16)
@@ -376,6 +395,63 @@ def _():
         out[f"bf16/{tokens}"] = dict(ms=total_ms, tflops=tf, first_call_s=time.time() - t)
         TABLE.append(f"jax ragged_dot_mgpu bf16 {tokens:6d}x6  {total_ms:7.3f} ms {tf:6.1f} TF/s "
                      f"(first call {time.time() - t:.0f} s)")
+    return out
+
+
+# The old kernel first: the others are compared with its output bit for bit.
+_AB_VARIANTS = {
+    WeightFormat.FP4: (("arith/wait0 (old)", dict(fp4_dequant="arith", overlap_wgmma=False)),
+                       ("arith/overlap", dict(fp4_dequant="arith", overlap_wgmma=True)),
+                       ("bits/wait0", dict(fp4_dequant="bits", overlap_wgmma=False)),
+                       ("bits/overlap (new)", dict(fp4_dequant="bits", overlap_wgmma=True))),
+    WeightFormat.FP8: (("wait0 (old)", dict(overlap_wgmma=False)),
+                       ("overlap (new)", dict(overlap_wgmma=True))),
+}
+
+
+@section("dequant_ab", 30)
+def _():
+    import dataclasses
+    out = {}
+    ceil_copy = CEIL.get("copy_tb_s")
+    iters = 1 if INTERPRET else 10
+    for fmt in (WeightFormat.FP4, WeightFormat.FP8):
+        w, s = weights(fmt)
+        for phase, tokens in (("decode", TOKENS[0]), ("decode", TOKENS[1]), ("prefill", TOKENS[3])):
+            m = tokens * TOP_K
+            gid = routing(jax.random.key(tokens), tokens)
+            x = rows(jax.random.key(tokens + 1), m)
+            active = int(jnp.unique(gid).shape[0])
+            base = decode_cfg(fmt) if phase == "decode" else prefill_cfg(fmt)
+            y_old = None
+            for name, extra in _AB_VARIANTS[fmt]:
+                key = f"{fmt.value}/{phase}{tokens}/{name}"
+                if left() < 10:
+                    out[key] = "skipped (time)"
+                    continue
+                cfg = dataclasses.replace(base, **extra)
+                f = lambda x, g, w, s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, config=cfg)  # noqa: E731
+                y = jax.block_until_ready(f(x, gid, w, s))
+                same = None if y_old is None else bool(jnp.array_equal(   # on the device: prefill y is 0.9 GB
+                    jax.lax.bitcast_convert_type(y, jnp.uint16), jax.lax.bitcast_convert_type(y_old, jnp.uint16)))
+                if y_old is None:
+                    y_old = y
+                total_ms, kern_ms = kernel_times_ms(f, x, gid, w, s, iters=iters)
+                t = (kern_ms or total_ms) * 1e-3
+                rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms, active_experts=active,
+                           weight_tb_s=wbytes(fmt, active) / t / 1e12,
+                           kernel_tflops=2 * m * N_WIDTH * K_HIDDEN / t / 1e12, bitwise_equal_old=same)
+                line = (f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s} kernel {t * 1e3:7.3f} ms "
+                        f"{rec['kernel_tflops']:6.1f} TF/s | weights {rec['weight_tb_s']:.2f} TB/s")
+                if ceil_copy:
+                    rec["copy_fraction"] = rec["weight_tb_s"] / ceil_copy
+                    line += f" = {rec['copy_fraction']:.2f} of copy"
+                line += " | reference" if same is None else f" | bits == old: {same}"
+                out[key] = rec
+                TABLE.append(line)
+                print(line, flush=True)
+                save()
+            del y_old
     return out
 
 
