@@ -341,6 +341,24 @@ def test_fp4_bit_placement_gives_the_arith_values_for_every_byte_and_scale():
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def test_fp4_packed_ptx_replayed_in_numpy_gives_the_arith_values():
+    """The "packed" decoder's PTX, replayed op for op in numpy, against the "arith" values: every byte in
+    either position of the input register, every E8M0 byte in [3, 251] and 0. (The GPU alone runs the PTX;
+    this checks its arithmetic, the lowering test below its assembly into the kernel.)"""
+    from pallas_kernels.grouped_gemm import fp4_packed
+    from pallas_kernels.grouped_gemm.kernel import _e8m0_row_to_f32, _fp4_nibble_to_f32
+
+    byte0 = np.arange(256)[None, :]
+    byte1 = np.roll(np.arange(256), 77)[None, :]
+    b = np.concatenate([[0], np.arange(3, 252)])[:, None]
+    lo, hi = fp4_packed.emulate(byte0, byte1, b)
+    scale = _e8m0_row_to_f32(jnp.asarray(b, jnp.uint8))
+    for word, shift in ((lo, 0), (hi, 4)):
+        for half, byte in enumerate((byte0, byte1)):
+            want = (_fp4_nibble_to_f32((jnp.asarray(byte) >> shift) & 15) * scale).astype(jnp.bfloat16)
+            assert np.array_equal((word >> (16 * half)) & 0xFFFF, _bits(want))
+
+
 def _fp4_weights_every_byte(rng, g, n, k):
     """FP4 weights holding every byte value, with scales mixing 2^-125, 2^-20, 2^20 and 2^113 into
     the usual range near 2^0."""
@@ -400,7 +418,7 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
         w = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
         s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
     for extra in ({}, _OLD_KERNEL, dict(fp4_dequant="bits", overlap_wgmma=False),
-                  dict(fp4_dequant="arith", overlap_wgmma=True)):
+                  dict(fp4_dequant="arith", overlap_wgmma=True), dict(fp4_dequant="packed")):
         cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3, **extra)
         lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
             lowering_platforms=("cuda",))

@@ -11,7 +11,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 
 SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
 _BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
-FP4_DEQUANT_MODES = ("bits", "arith")
+FP4_DEQUANT_MODES = ("bits", "arith", "packed")
 
 
 class WeightFormat(enum.Enum):
@@ -42,7 +42,9 @@ class GroupedMatmulConfig:
     fp4_dequant: how the consumers decode FP4 nibbles (same bf16 values either way, so the same output
         bits): "bits" places each nibble's bits into a float16 (value * 2^-14; the 2^14 is folded into
         the scale) and converts to float32 in hardware, ~7 ALU ops per element; "arith" is the earlier
-        float polynomial (~18 ops), kept so one GPU run can time both.
+        float polynomial (~18 ops), kept so one GPU run can time both; "packed" decodes two nibbles
+        per 32-bit op with inline PTX (``fp4_packed.py``, ~3.5 ops per element; GPU only: the interpreter
+        runs "bits" in its place).
     overlap_wgmma: let the dequantization of scale block c+1 run while block c's wgmma is in flight
         (wait for one group, not zero; the staged A tile gets two buffers per consumer). Same summation
         order as False, so the same bits.

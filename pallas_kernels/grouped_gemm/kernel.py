@@ -11,7 +11,9 @@ CTA (n, t) computes output columns [n*block_n, (n+1)*block_n) of tile t's rows:
   operand (the M side: 64-row granules) and the tokens the B operand (N side: any multiple of 8),
   so a decode tile of a few tokens wastes little tensor-core work. bf16 weights feed wgmma from
   shared memory; FP8/FP4 are dequantized per 32-column scale block into registers (value x 2^(b-127),
-  exact in bf16) and fed to wgmma as a register A operand.
+  exact in bf16) and fed to wgmma as a register A operand. How FP4 is decoded (``cfg.fp4_dequant``) and
+  whether block c+1's dequantization overlaps block c's wgmma (``cfg.overlap_wgmma``) change the speed,
+  never the bf16 values.
 * the f32 accumulator [block_n/2, block_m] is the transposed output tile; it is stored to y^T
   [N, T*block_m] with TMA, and the wrapper transposes and un-permutes.
 
@@ -34,6 +36,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
                                                 kernel_unsupported_reason)
 from pallas_kernels.grouped_gemm.plan import bucketed_tiles, gather_rows, make_tile_plan, scatter_back
@@ -87,6 +90,13 @@ def _fp4_nibble_to_f32(nib):
     return mag * sign
 
 
+def _interpreting() -> bool:
+    """Whether the kernel being traced will run in the Mosaic GPU interpreter (``gpu_interpreter()``)."""
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype):
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     wg_rows = bn // 2
@@ -106,11 +116,18 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     a_bufs = 2 if overlap else 1
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    fp4_bits = fmt is WeightFormat.FP4 and cfg.fp4_dequant == "bits"
+    fp4_mode = cfg.fp4_dequant if fmt is WeightFormat.FP4 else None
+    if fp4_mode == "packed" and _interpreting():
+        fp4_mode = "bits"    # the interpreter cannot run inline PTX; "bits" gives the same values
+    fp4_bits = fp4_mode == "bits"
 
     def dequant_block(w_smem, s_smem, slot, rows, c):
         """[wg_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order)."""
         s_u8 = plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False)
+        if fp4_mode == "packed":
+            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)], layout=plgpu.Layout.WGMMA,
+                           optimized=False)
+            return fp4_packed.dequant(q, lax.broadcast_in_dim(s_u8.astype(jnp.int32), (wg_rows, _HALF), [0]))
         scale = _e8m0_row_to_f32_times_2_14(s_u8) if fp4_bits else _e8m0_row_to_f32(s_u8)
         scale = lax.broadcast_in_dim(scale, (wg_rows, SCALE_BLOCK), [0])
         if fmt is WeightFormat.FP8:
