@@ -5,8 +5,8 @@ float op serves one element. Here one 32-bit register holds two bf16 results and
 
 Per 16-bit input register (bytes B0, B1 of one row: columns 2c and 2c+1 of the WGMMA fragment):
 
-1. ``prmt`` spreads the bytes 16 bits apart: w = [B0, 0, B1, 0], so one shift moves a nibble of each byte
-   into the same place of its half.
+1. ``prmt`` spreads the bytes 16 bits apart: w = [0, B0, 0, B1], so one shift moves a nibble of each byte
+   into the same place of its half (and the high nibbles' signs are already at bits 15 and 31).
 2. Magnitude: the 3 bits of the low (high) nibbles go to bf16 bits 6-8, under a fixed exponent field of
    124: v = g(c) * 2^-3 with g = 1, 1.5, 2, 3, 4, 6, 8, 12 for the codes c = 0..7. All normal numbers.
 3. E2M1 value = min(g/2, g-1) (codes 0 and 1 are the subnormal ones), computed as
@@ -15,7 +15,8 @@ Per 16-bit input register (bytes B0, B1 of one row: columns 2c and 2c+1 of the W
    E8M0 bytes b in [3, 251]; b = 0 gives 0 as the other modes do.
 4. Sign: the nibble's bit 3 is shifted to bit 15 of its half and or-ed in.
 
-About 4 integer and 3 bf16x2 ops per two elements, against ~14 ops per element in "bits". No float32 or
+About 4 integer and 3 bf16x2 ops per two elements (the negation may fold into the fma), plus 3 ops
+per row and scale block for the constants, against ~14 ops per element in "bits". No float32 or
 bf16 subnormal is produced for b in [3, 251], so flush-to-zero cannot change a result.
 
 The Mosaic GPU interpreter cannot run inline PTX: under it the kernel uses the "bits" decoder, which
@@ -29,33 +30,38 @@ import numpy as np
 import jax.numpy as jnp
 
 # One input register ($2) and the row's constants ($3 = -T, $4 = T, $5 = S) -> low-nibble pair ($0) and
-# high-nibble pair ($1). lop3 0xEA is (a & b) | c; 0xF8 is a | (b & c).
+# high-nibble pair ($1). prmt makes w = [0, B0, 0, B1]: the high nibbles' signs are then already at bits
+# 15 and 31. lop3 0xEA is (a & b) | c; 0xF8 is a | (b & c).
 _MAG_MASK, _EXP_124, _SIGN = 0x01C001C0, 0x3E003E00, 0x80008000
-_SHIFTS = ((6, 12), (2, 8))   # (magnitude, sign) left shifts for the low and the high nibble
+_SHIFTS = ((-2, 4), (-6, 0))   # (magnitude, sign) shifts of w for the low and the high nibble (< 0: right)
+
+
+def _shift_ptx(dst: str, k: int) -> str:
+    if k == 0:
+        return f"mov.b32 {dst}, w;"
+    return f"shl.b32 {dst}, w, {k};" if k > 0 else f"shr.u32 {dst}, w, {-k};"
+
 
 _PAIR_PTX = "\n".join(
-    ["{", ".reg .b32 w, v, t, d, sg;", "prmt.b32 w, $2, 0, 0x4140;"]
+    ["{", ".reg .b32 w, v, t, d, sg;", "prmt.b32 w, $2, 0, 0x1404;"]
     + [line for out, (mag, sgn) in enumerate(_SHIFTS) for line in (
-        f"shl.b32 t, w, {mag};",
+        _shift_ptx("t", mag),
         f"lop3.b32 v, t, {_MAG_MASK:#010x}, {_EXP_124:#010x}, 0xEA;",
         "fma.rn.relu.bf16x2 t, v, $3, $5;",
         "neg.bf16x2 t, t;",
         "fma.rn.bf16x2 d, v, $4, t;",
-        f"shl.b32 sg, w, {sgn};",
+        _shift_ptx("sg", sgn),
         f"lop3.b32 ${out}, d, sg, {_SIGN:#010x}, 0xF8;")]
     + ["}"])
 
-# E8M0 byte ($3) -> (-T, T, S) as bf16x2 pairs; T = 2^(b-125) is (b+2) << 7, S = b << 7, T = 0 for b = 0.
+# E8M0 byte ($3) -> (-T, T, S) as bf16x2 pairs: S = 2^(b-127) is b << 7 in each half (one multiply), and
+# T = 4S is a bf16x2 multiply, which also keeps T = 0 for b = 0.
 _CONST_PTX = """{
-.reg .b32 s, t, s2, t2;
-.reg .pred z;
-shl.b32 s, $3, 7;
-add.u32 t, s, 256;
-setp.eq.u32 z, $3, 0;
-selp.b32 t, 0, t, z;
-prmt.b32 s2, s, 0, 0x1010;
-prmt.b32 t2, t, 0, 0x1010;
-or.b32 $0, t2, 0x80008000;
+.reg .b32 s2, t2, four;
+mov.b32 four, 0x40804080;
+mul.lo.u32 s2, $3, 0x00800080;
+mul.rn.bf16x2 t2, s2, four;
+xor.b32 $0, t2, 0x80008000;
 mov.b32 $1, t2;
 mov.b32 $2, s2;
 }"""
@@ -116,17 +122,19 @@ def _word(pair):
 def emulate(byte0, byte1, b):
     """The PTX on uint32 numpy arrays -> (low pair, high pair) bf16x2 words as uint32."""
     x = np.asarray(byte0, np.uint32) | (np.asarray(byte1, np.uint32) << 8)
-    b = np.asarray(b, np.uint32)
-    s = b << 7
-    t = np.where(b == 0, 0, s + 256).astype(np.uint32)
-    t2, s2 = t | (t << 16), s | (s << 16)
-    neg_t, pos_t, scale = _bf16x2(t2 | _SIGN), _bf16x2(t2), _bf16x2(s2)
-    w = (x & 0xFF) | ((x & 0xFF00) << 8)
+    s2 = (np.asarray(b, np.uint32) * 0x00800080) & 0xFFFFFFFF
+    t2 = _word(_bf16x2(s2) * 4.0)
+    neg_t, pos_t, scale = _bf16x2(t2 ^ _SIGN), _bf16x2(t2), _bf16x2(s2)
+    w = ((x & 0xFF) << 8) | ((x & 0xFF00) << 16)
+
+    def shift(k):
+        return (w << k) & 0xFFFFFFFF if k >= 0 else w >> -k
+
     outs = []
     for mag, sgn in _SHIFTS:
-        v = _bf16x2((((w << mag) & 0xFFFFFFFF) & _MAG_MASK) | _EXP_124)
+        v = _bf16x2((shift(mag) & _MAG_MASK) | _EXP_124)
         t = v * neg_t + scale
         t = np.where(t < 0, 0.0, t)
         d = _word(v * pos_t - t)
-        outs.append(d | (((w << sgn) & 0xFFFFFFFF) & _SIGN))
+        outs.append(d | (shift(sgn) & _SIGN))
     return tuple(np.asarray(o, np.uint32) for o in outs)
