@@ -294,3 +294,85 @@ def matmul_macs_per_token(cfg: ModelConfig, params) -> float:
                          for n in ("w1", "w2", "w3"))  # packed FP4: two values a byte
         macs += cfg.num_experts_per_tok * per_expert
     return macs
+
+
+# ---- a V4-Flash slice with unquantized weights: the transformers peer (peer_transformers.py) ----------
+
+V4FLASH_CONFIG = ROOT / "tests" / "fixtures" / "v4_flash_config.json"
+
+
+def v4flash_slice_root(n_layers: int, *, num_hash_layers: int = 0, tiny_widths: bool = False) -> dict:
+    """config.json of a V4-Flash slice in the official flat layout (transformers' ``DeepseekV4Config``
+    reads it too). Every width of V4-Flash (hidden 4096, 64 heads of 512, 256 experts of 2048, top-6,
+    index top-512, window 128, vocabulary 129,280); ``n_layers`` alternate ratio 4 (CSA: compressor and
+    lightning indexer) and ratio 128 (HCA), the pair that layers 2-41 of the real model repeat. The two
+    window-only bottom layers (2 of 43) are left out, and routing is learned unless ``num_hash_layers``
+    says otherwise (40 of the 43 real layers). tiny_widths: the tests' tiny V4-Flash widths (CPU runs)."""
+    if tiny_widths:
+        import sys
+
+        sys.path.insert(0, str(ROOT / "checkpoints"))
+        from tiny_configs import TINY_V4FLASH
+
+        root = copy.deepcopy(TINY_V4FLASH)
+    else:
+        root = json.loads(V4FLASH_CONFIG.read_text())
+    ratios = [(4, 128)[i % 2] for i in range(n_layers)]
+    root.update(num_hidden_layers=n_layers, num_hash_layers=num_hash_layers,
+                compress_ratios=ratios + [0] * root["num_nextn_predict_layers"])
+    return root
+
+
+def _float_linear(key, shape: tuple[int, ...]):
+    """N(0, 1/in) in bf16 for a linear [..., out, in] the checkpoint stores as FP8 or packed FP4."""
+    return (jax.random.normal(key, shape, jnp.float32) * (1.0 / math.sqrt(shape[-1]))).astype(jnp.bfloat16)
+
+
+def _hash_table(key, shape: tuple[int, int], n_experts: int):
+    """tid2eid [vocab, k]: k distinct experts per token id (the first k of a random order)."""
+    return jnp.argsort(jax.random.uniform(key, (shape[0], n_experts)), axis=-1)[:, :shape[1]].astype(jnp.int32)
+
+
+def v4flash_float_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """The backbone params pytree of a V4-Flash ``cfg`` with unquantized weights, on the default device.
+
+    The checkpoint's FP8 linears and packed FP4 experts are bf16 [out, in] with no scales (what
+    ``transformers_format`` loads from a bf16 re-upload, run by ``linear.weight_of`` as stored), drawn
+    N(0, 1/in); BF16 / F32 tensors are drawn as ``random_params`` draws them, and the F32 ones are rounded
+    to bf16 values, so that a peer keeping any tensor in bf16 or fp32 holds exactly the same numbers."""
+    from deepinfer_jax.checkpoint.loader import _set, _tuples
+
+    if cfg.variant != "v4":
+        raise ValueError(f"v4flash_float_params builds V4-Flash params, not {cfg.variant}")
+    specs = {n: s for n, s in expected_tensors(cfg).items() if s.group == BACKBONE and s.dtype != "F8_E8M0"}
+    leaves: dict[tuple, tuple[str, tuple]] = {}  # path -> (stored dtype, per-expert shape)
+    counts: dict[tuple, int] = {}
+    for name, sp in specs.items():
+        path, expert = param_path(name)
+        if expert is not None:
+            counts[path] = max(counts.get(path, 0), expert + 1)
+        leaves.setdefault(path, (sp.dtype, tuple(sp.shape)))
+    key = jax.random.key(seed)
+    jit_linear = jax.jit(_float_linear, static_argnums=1)
+    # _plain is run eagerly: jitted with the leaf's name static it would compile once per leaf, and its
+    # ops are cached per shape eagerly (seconds saved on the tiny slice, nothing lost on the device)
+    jit_hash = jax.jit(_hash_table, static_argnums=(1, 2))
+    tree: dict = {}
+    for i, (path, (dtype, shape)) in enumerate(sorted(leaves.items(), key=lambda kv: str(kv[0]))):
+        k = jax.random.fold_in(key, i)
+        if dtype == "I8":  # packed FP4 holds two values a byte; unpacked it is [out, in]
+            shape = (*shape[:-1], 2 * shape[-1])
+        full_shape = (counts[path], *shape) if path in counts else shape
+        if dtype in ("F8_E4M3", "I8"):
+            leaf = jit_linear(k, full_shape)
+        elif dtype == "BF16":
+            leaf = _plain(k, ".".join(map(str, path)), dtype, full_shape)
+        elif dtype == "F32":
+            leaf = _plain(k, ".".join(map(str, path)), dtype, full_shape).astype(jnp.bfloat16).astype(jnp.float32)
+        elif dtype == "I64":
+            leaf = jit_hash(k, full_shape, cfg.n_routed_experts)
+        else:
+            raise NotImplementedError(f"no float initialiser for {path} ({dtype})")
+        jax.block_until_ready(leaf)  # one leaf at a time: keeps the temporaries small
+        _set(tree, path, leaf)
+    return _tuples(tree)  # the loader's nesting: layers as a tuple

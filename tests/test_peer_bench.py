@@ -1,0 +1,54 @@
+"""Smoke run of benchmarks/peer_transformers.py (the transformers peer, issue 7) on its tiny CPU slice.
+
+The benchmark's two halves run in two interpreters here: ours in this one (jax), transformers in the
+torch interpreter of the parity test (``torch_python``: $DEEPINFER_TORCH_PYTHON or .venv-torch), the
+weights passed through a safetensors directory. The test checks what the run reports: its agreement
+verdict on the short prompt's prefill logits, in float32 (every row within 1e-5: the two sides compute
+the same function, so any plumbing error of the benchmark -- weight names, chunked prefill, the cache
+copied into B rows -- shows) and in bfloat16 (the dtype the GPU run compares, with its looser rounding
+tolerance), and that every side produced its timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_transformers_parity import torch_python
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "peer_transformers.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peer_tiny_run_agrees(tmp_path, dtype):
+    py = torch_python()
+    if py is None:  # as the parity test: skipped without torch, except under CI
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("no torch interpreter (see test_transformers_parity)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEEPINFER_TORCH_PYTHON": py}
+    # the smallest run that still passes every code path once: one decode batch, no XLA-only section
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--dtype", dtype, "--batches", "1", "--xla-batches", "",
+           "--steps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    report = tmp_path / "peer_transformers.json"
+    assert report.exists(), f"no report ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    res = json.loads(report.read_text())
+    for side in ("torch", "ours"):
+        assert "error" not in res[side], f"{side}: {res[side]['error']}"
+        assert res[side]["prefill"]["ms"] > 0
+        assert [r["batch"] for r in res[side]["decode"]] == [1] and res[side]["decode"][0]["ms_per_step"] > 0
+    assert res["torch"]["attn_implementation"] == "eager"
+    check = res["check"]
+    assert set(check) == {"check_logits", "prefill_last_logits", "decode_logits"}
+    c = check["check_logits"]
+    assert c["passed"], f"prefill logits disagree ({dtype}): {c}"
+    if dtype == "float32":  # the long prefill's last position and the first decode step, same bound
+        for key in ("prefill_last_logits", "decode_logits"):
+            assert check[key]["passed"], f"{key} disagrees: {check[key]}"
+    assert proc.returncode == 0, proc.stdout[-3000:]
