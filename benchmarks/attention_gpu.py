@@ -12,6 +12,11 @@ Sections (each one independent; a failure is printed and the next section runs):
     compressed KV); every query still reads exactly 640 rows. Bytes counted = the 640 rows + q + o + idx
     per query, each once; reported as a fraction of the copy bandwidth from section 1.
  6. prefill timing: B=1, T=1024 queries (one chunk), same K.
+ 7. fp4 (``--sections fp4``): the two-source variant that reads the compressed rows as the cache stores
+    them (FP4 values + E4M3 scales, 288 B a row) next to 128 bf16 window rows: correctness vs its float32
+    reference, a query alone vs in a batch of 64 (bitwise), and decode timings at B=64 against the
+    model's previous path (decode the whole compressed cache to bf16, concatenate, bf16 kernel); bytes
+    counted at the quantized size.
 Timing: R calls with different q/idx inside one jitted function (so the 60 MB L2 holds none of the
 next call's rows), median of 5 runs of that function / R.
 """
@@ -98,6 +103,7 @@ def make_q(key, b, t):
 
 
 CONFIGS = {"kernel/split640": SparseAttentionConfig(640), "kernel/split320": SparseAttentionConfig(320),
+           "kernel/split320/nab": SparseAttentionConfig(320, no_auto_barriers=True),
            "kernel/split128": SparseAttentionConfig(128),
            "kernel/split640/p2": SparseAttentionConfig(640, producer_warpgroups=2),
            "kernel/split320/p2": SparseAttentionConfig(320, producer_warpgroups=2),
@@ -271,6 +277,105 @@ def prefill(names):
     RESULTS["prefill"] = rows
 
 
+# ---- the FP4 two-source variant (window rows bf16, compressed rows as the cache stores them) -----------
+
+FP4_CONFIGS = {"fp4/split320": SparseAttentionConfig(320), "fp4/split640": SparseAttentionConfig(640),
+               "fp4/split320/nab": SparseAttentionConfig(320, no_auto_barriers=True)}
+
+
+def make_fp4_problem(key, rng, b, n, invalid_frac=0.0):
+    """Window [b, 128, D] bf16 + an FP4 compressed cache of n rows (kv_codec.COMPRESSED) and a query's
+    index lists: the 128 window rows, 512 distinct compressed rows."""
+    from deepinfer_jax.model import kv_codec
+
+    k1, k2 = jax.random.split(key)
+    win = make_kv(k1, b, WINDOW)
+    comp = jax.jit(lambda x: kv_codec.encode(kv_codec.COMPRESSED, x, True, jnp.bfloat16))(
+        jax.random.normal(k2, (b, n, D), jnp.float32))
+    widx = jnp.broadcast_to(jnp.arange(WINDOW, dtype=jnp.int32), (b, 1, WINDOW))
+    cidx = make_idx(rng, b, 1, WINDOW + n, invalid_frac)[..., WINDOW:] - WINDOW
+    cidx = jnp.where(cidx < 0, -1, cidx)
+    return win, widx, comp, cidx
+
+
+def fp4_impls(names):
+    from pallas_kernels.attention import sparse_sink_attention_fp4_xla
+    from pallas_kernels.attention.kernel import sparse_sink_attention_fp4_pallas
+    from deepinfer_jax.model import kv_codec
+
+    out = {}
+    for n in names:
+        if n == "fp4/xla":
+            out[n] = lambda q, w, wi, cv, cs, ci, sink: sparse_sink_attention_fp4_xla(q, w, wi, cv, cs, ci, sink, SCALE)
+        elif n == "bf16-decoded/kernel":
+            # what the model did before: decode the whole compressed cache, concatenate, bf16 kernel
+            def f(q, w, wi, cv, cs, ci, sink):
+                comp = kv_codec.decode(kv_codec.COMPRESSED, {"values": cv, "scale": cs}, jnp.bfloat16)
+                kv = jnp.concatenate([w, comp], axis=1)
+                idx = jnp.concatenate([wi, jnp.where(ci >= 0, ci + WINDOW, -1)], axis=-1)
+                return sparse_sink_attention_pallas(q, kv, idx, sink, SCALE, SparseAttentionConfig(320))
+            out[n] = f
+        else:
+            cfg = FP4_CONFIGS[n]
+            out[n] = lambda q, w, wi, cv, cs, ci, sink, cfg=cfg: sparse_sink_attention_fp4_pallas(
+                q, w, wi, cv, cs, ci, sink, SCALE, cfg)
+    return out
+
+
+def fp4_bytes(b):
+    per_query = WINDOW * D * 2 + SELECTED * (D // 2 + D // 16) + H * D * 2 * 2 + K * 4
+    return b * per_query
+
+
+@section("fp4 variant")
+def fp4_section(names, contexts):
+    from pallas_kernels.attention import sparse_sink_attention_fp4_reference
+
+    rng = np.random.default_rng(8)
+    b = 64
+    sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
+    fns = fp4_impls(names)
+    # correctness at 8k entries, with skipped entries and an all-skipped query
+    win, widx, comp, cidx = make_fp4_problem(jax.random.key(80), rng, b, 8192, invalid_frac=0.1)
+    widx = widx.at[3].set(-1)
+    cidx = cidx.at[3].set(-1)
+    q = make_q(jax.random.key(81), b, 1)
+    args = (q, win, widx, comp["values"], comp["scale"], cidx, sink)
+    ref = np.asarray(sparse_sink_attention_fp4_reference(*args, SCALE))
+    res = {"correctness": {}, "invariance": {}, "decode": []}
+    for name, fn in fns.items():
+        def check(name=name, fn=fn):
+            got = np.asarray(jax.jit(fn)(*args), np.float32)
+            err = float(np.abs(got - ref).max())
+            res["correctness"][name] = dict(max_abs=err, ref_max=float(np.abs(ref).max()),
+                                            zero_row=bool(np.all(got[3] == 0)))
+            log(f"{name:22s} max|err| {err:.3e} (ref max {np.abs(ref).max():.3f}) all-skipped row == 0: "
+                f"{bool(np.all(got[3] == 0))}")
+            # batch invariance: query 5 alone vs in the batch of 64
+            one = tuple(a[5:6] if a.ndim else a for a in args[:6]) + (sink,)
+            alone = np.asarray(jax.jit(fn)(*one)).view(np.uint16)
+            same = bool(np.array_equal(alone[0], np.asarray(jax.jit(fn)(*args))[5].view(np.uint16)))
+            res["invariance"][name] = same
+            log(f"{name:22s} query alone == in a batch of 64, bitwise: {same}")
+        guarded("fp4", f"{name}/check", check)
+    bw = RESULTS.get("copy_bw_Bps")
+    for ctx in contexts:
+        win, widx, comp, _ = make_fp4_problem(jax.random.key(ctx), rng, b, ctx)
+        sets = [(make_q(jax.random.key(ctx + r), b, 1), win, widx, comp["values"], comp["scale"],
+                 make_idx(rng, b, 1, WINDOW + ctx)[..., WINDOW:] - WINDOW, sink) for r in range(8)]
+        for name, fn in fns.items():
+            t = guarded("fp4", f"{name}/ctx{ctx}", timed, fn, sets)
+            if t is None:
+                continue
+            bps = fp4_bytes(b) / t
+            frac = bps / bw if bw else float("nan")
+            res["decode"].append(dict(context=ctx, impl=name, us=t * 1e6, GBps=bps / 1e9, frac_copy_bw=frac))
+            log(f"ctx {ctx:6d} {name:22s} {t * 1e6:8.1f} us  {bps / 1e9:7.0f} GB/s of quantized bytes "
+                f"{frac:6.1%} of copy BW")
+        del win, comp, sets
+    RESULTS["fp4"] = res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="two contexts; no XLA invariance sweep")
@@ -278,6 +383,8 @@ def main():
     ap.add_argument("--sections", default="copy,correct,invariance,topk,decode,prefill")
     ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
                     help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2]")
+    ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split640,fp4/split320/nab,fp4/xla,bf16-decoded/kernel")
+    ap.add_argument("--fp4-contexts", default="8192,32768,131072")
     args = ap.parse_args()
     dev = jax.devices()[0]
     log(f"jax {jax.__version__}  device {dev.device_kind}  cc {getattr(dev, 'compute_capability', '?')}")
@@ -301,12 +408,16 @@ def main():
         decode(names, (8192, 131072) if args.quick else (8192, 32768, 131072), reps_sets=8)
     if "prefill" in want:
         prefill([n for n in names if n == "xla" or n.startswith("kernel/split640")])
+    if "fp4" in want:
+        fp4_section(args.fp4_impls.split(","), [int(c) for c in args.fp4_contexts.split(",")])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "attention_gpu.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
     log("\n=== summary ===")
     for r in RESULTS.get("decode", []):
         log(f"decode ctx {r['context']:6d} {r['impl']:18s} {r['us']:8.1f} us {r['frac_copy_bw']:6.1%}")
+    for r in RESULTS.get("fp4", {}).get("decode", []):
+        log(f"fp4 ctx {r['context']:6d} {r['impl']:22s} {r['us']:8.1f} us {r['frac_copy_bw']:6.1%}")
     log("errors:", list(RESULTS.get("errors", {})))
     return 0 if not RESULTS.get("errors") else 1
 

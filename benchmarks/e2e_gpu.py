@@ -19,6 +19,8 @@ Sections:
 * prefill: one prompt of each length, chunked, through ``Scheduler.run`` (max_tokens=1), with and
   without bounded replay: tokens/s, and matmul + attention-core FLOPs over time as a fraction of the
   dense matmul rate.
+* profile: one decode step (at --profile-batch and the first context) timed per kernel by CUPTI,
+  largest first, each XLA kernel with the jax op it came from (GPU only).
 * xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
   dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
   XLA-only path, as a ratio to the kernel path.
@@ -198,6 +200,106 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
     return rows
 
 
+def _hlo_sites(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name (dots as underscores, as kernel names spell them) -> its op_name metadata."""
+    sites = {}
+    for line in hlo_text.splitlines():
+        line = line.strip()
+        if not line.startswith("%") and " = " not in line:
+            continue
+        name = line.lstrip("%").split(" ", 1)[0]
+        at = line.find('op_name="')
+        if at >= 0:
+            sites[name.replace(".", "_")] = line[at + 9:line.find('"', at + 9)]
+    return sites
+
+
+def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, top: int = 40):
+    """Per-kernel GPU time of one decode step (CUPTI), largest first, each XLA kernel with the jax op it
+    came from: where the step's time goes."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    sch = scheduler(m, numerics, b, max_len, 1)
+    try:
+        sch.state["cache"] = None
+        sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
+        inp = decode_inputs(sch, ctx)
+        # The engine's decode program donates its state; profiling calls it repeatedly on one state.
+        step = jax.jit(sch._decode.__wrapped__).lower(m.params, sch.state, inp, sch.consts).compile()
+        sites = _hlo_sites(step.as_text())
+        if jax.devices()[0].platform != "gpu":
+            log("profile: CUPTI needs a GPU; compiled the step and traced it only")
+            return dict(batch=b, context=ctx, hlo_sites=len(sites), timeline=_timeline(sch, m, inp))
+        _, per_iter = profiler.measure(step, aggregate=False, iterations=3)(m.params, sch.state, inp, sch.consts)
+        timeline = _timeline(sch, m, inp)
+    finally:
+        sch.state = None
+    by_name: dict[str, float] = {}
+    for name, ms in per_iter[-1]:
+        by_name[name] = by_name.get(name, 0.0) + ms
+    total = sum(by_name.values())
+    rows = []
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1]):
+        key = name.split("(")[0]
+        site = sites.get(key) or next((v for k, v in sites.items() if key.startswith(k) or k.startswith(key)), "")
+        rows.append(dict(kernel=name[:120], ms=ms, share=ms / total, site=site[-160:]))
+    log(f"decode step B={b} ctx={ctx}: {total:.2f} ms of kernels, {len(by_name)} distinct kernels")
+    for r in rows[:top]:
+        log(f"  {r['ms']:8.3f} ms {r['share']:6.1%}  {r['kernel'][:60]:60s} {r['site']}")
+    TABLE.append(f"profile decode B={b} ctx={ctx}: {total:.2f} ms of kernels; top: "
+                 + "; ".join(f"{r['kernel'][:40]} {r['share']:.0%}" for r in rows[:5]))
+    return dict(batch=b, context=ctx, total_ms=total, kernels=rows[:200], timeline=timeline)
+
+
+def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
+    """The engine's own (donating) decode step under jax.profiler: wall time per step against the time
+    the GPU is busy, and the longest idle gaps with the GPU events around them (host-bound waits)."""
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    tmp = tempfile.mkdtemp()
+    for _ in range(2):  # the first call compiles
+        sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+        jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(tmp):
+        for _ in range(steps):
+            sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+        jax.block_until_ready(out)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    path = next(Path(tmp).rglob("*.xplane.pb"))
+    events = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            events += [(e.start_ns, e.end_ns, e.name, line.name) for e in line.events]
+    events.sort()
+    if not events:
+        return dict(wall_ms=wall_ms, error="no GPU events in the trace")
+    busy, gaps, end, prev = 0, [], events[0][0], events[0]
+    kinds: dict[str, float] = {}
+    for ev in events:
+        start, stop, name, line = ev
+        if start > end:
+            gaps.append(((start - end) / 1e6, prev[2][:60], name[:60]))
+        busy += max(0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, ev
+        kind = "memcpy" if "memcpy" in name.lower() or "Memcpy" in line else "kernel"
+        kinds[kind] = kinds.get(kind, 0.0) + (stop - start) / 1e6
+    span_ms = (end - events[0][0]) / 1e6
+    gaps.sort(reverse=True)
+    log(f"timeline: {wall_ms:.2f} ms/step wall, GPU span {span_ms / steps:.2f} ms/step, busy {busy / 1e6 / steps:.2f} "
+        f"ms/step, by kind {({k: round(v / steps, 2) for k, v in kinds.items()})}; lines "
+        f"{sorted({e[3] for e in events})[:8]}")
+    for g in gaps[:15]:
+        log(f"  gap {g[0]:8.3f} ms after {g[1]!r} before {g[2]!r}")
+    return dict(wall_ms=wall_ms, span_ms=span_ms / steps, busy_ms=busy / 1e6 / steps, kinds_ms=kinds,
+                gaps=gaps[:40], n_events=len(events))
+
+
 def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
     """FLOPs of q.k and p.v over the rows each prompt token attends to (window + selected), every layer;
     the indexers' scoring is left out (reported separately by the kernel benchmarks)."""
@@ -267,6 +369,7 @@ def main(argv=None):
     ap.add_argument("--prompts", default="4096,32768")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--xla-batches", default="1,16")
+    ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -277,7 +380,7 @@ def main(argv=None):
     batches, contexts, prompts = ints(args.batches), ints(args.contexts), ints(args.prompts)
     if args.tiny:
         batches, contexts, prompts, args.chunk = [1, 4], [40, 100], [64, 200], 32
-        args.xla_batches = "1"
+        args.xla_batches, args.profile_batch = "1", 4
     log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers")
     if "ceil" in want:
         section("ceilings", ceilings, out, args.tiny)
@@ -295,6 +398,8 @@ def main(argv=None):
     max_len = max(contexts) + 64
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
+    if "profile" in want:
+        section("profile", run_profile, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "prefill" in want:
         section("prefill", run_prefill, out, m, numerics, prompts, args.chunk)
     if "xla" in want:

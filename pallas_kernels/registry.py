@@ -124,6 +124,11 @@ REGISTRY: Mapping[str, OpSpec] = MappingProxyType({
         Impl(XLA, "pallas_kernels.attention:sparse_sink_attention_xla"),
         Impl(REFERENCE, "pallas_kernels.attention:sparse_sink_attention_reference", auto=False),
     )),
+    "sparse_sink_attention_fp4": OpSpec("sparse_sink_attention_fp4", (
+        _pallas_gpu("pallas_kernels.attention:sparse_sink_attention_fp4_pallas"),
+        Impl(XLA, "pallas_kernels.attention:sparse_sink_attention_fp4_xla"),
+        Impl(REFERENCE, "pallas_kernels.attention:sparse_sink_attention_fp4_reference", auto=False),
+    )),
     "topk_indices": OpSpec("topk_indices", (
         Impl(XLA, "pallas_kernels.topk:topk_indices_xla"),
         Impl(REFERENCE, "pallas_kernels.topk:topk_indices_reference", auto=False),

@@ -200,3 +200,106 @@ def test_dispatcher_uses_the_registry():
     assert ref.dtype == jnp.float32
     with pytest.raises(KernelUnavailableError, match="pallas_mosaic_gpu"):
         sparse_sink_attention(q, kv, idx, sink, 0.125, impl="pallas_mosaic_gpu")
+
+
+# ---- the FP4 two-source variant (compressed rows as the V4.1 cache stores them) --------------------
+
+def _fp4_inputs(rng, b, t, h, d, sw, n, kw, kc):
+    from deepinfer_jax.model import kv_codec
+
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    win = jnp.asarray(rng.standard_normal((b, sw, d)), jnp.bfloat16)
+    comp = kv_codec.encode(kv_codec.COMPRESSED, jnp.asarray(rng.standard_normal((b, n, d)) * 3, jnp.float32), True,
+                           jnp.bfloat16)
+    widx = rng.integers(0, sw, (b, t, kw)).astype(np.int32)
+    cidx = rng.integers(0, n, (b, t, kc)).astype(np.int32)
+    sink = jnp.asarray(rng.standard_normal(h) * 2, jnp.float32)
+    return q, win, widx, comp, cidx, sink
+
+
+def _fp4_oracle(q, win, widx, comp, cidx, sink, scale):
+    """The definition: decode the cache with kv_codec (the model's own decoder), concatenate, float64 oracle."""
+    from deepinfer_jax.model import kv_codec
+
+    kv = jnp.concatenate([win, kv_codec.decode(kv_codec.COMPRESSED, comp, jnp.float32).astype(jnp.bfloat16)], 1)
+    idx = np.concatenate([widx, np.where(cidx >= 0, cidx + win.shape[1], -1)], axis=-1)
+    return _oracle(q, kv, idx, sink, scale), kv
+
+
+def test_fp4_xla_and_reference_match_the_decoded_cache():
+    from pallas_kernels.attention import sparse_sink_attention_fp4_reference, sparse_sink_attention_fp4_xla
+
+    rng = np.random.default_rng(11)
+    q, win, widx, comp, cidx, sink = _fp4_inputs(rng, 2, 3, 4, 64, 20, 40, 12, 30)
+    widx[0, 1, :] = -1
+    cidx[0, 1, :] = -1                      # nothing to attend: 0
+    cidx[1, 2, :5] = cidx[1, 2, 5]          # duplicates count twice
+    cidx[1, 0, ::3] = -1
+    want, kv = _fp4_oracle(q, win, widx, comp, cidx, sink, 0.125)
+    args = (q, win, jnp.asarray(widx), comp["values"], comp["scale"], jnp.asarray(cidx), sink, 0.125)
+    ref = np.asarray(sparse_sink_attention_fp4_reference(*args))
+    np.testing.assert_allclose(ref, want, rtol=0, atol=1e-5)   # float32 vs float64 of the same rows
+    got = sparse_sink_attention_fp4_xla(*args)
+    assert got.shape == q.shape and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=_fast_tol(kv))
+    assert np.all(np.asarray(got[0, 1], np.float32) == 0)
+
+
+def test_fp4_xla_path_is_bitwise_batch_invariant():
+    from pallas_kernels.attention import sparse_sink_attention_fp4_xla
+
+    rng = np.random.default_rng(12)
+    q, win, widx, comp, cidx, sink = _fp4_inputs(rng, 5, 1, 4, 64, 16, 24, 16, 20)
+    f = jax.jit(lambda *a: sparse_sink_attention_fp4_xla(*a, sink, 0.1))
+    full = f(q, win, jnp.asarray(widx), comp["values"], comp["scale"], jnp.asarray(cidx))
+    alone = f(q[3:4], win[3:4], jnp.asarray(widx[3:4]), comp["values"][3:4], comp["scale"][3:4],
+              jnp.asarray(cidx[3:4]))
+    assert np.array_equal(_bits(full[3]), _bits(alone[0]))
+
+
+def test_fp4_shape_limits_and_errors():
+    from pallas_kernels.attention.kernel import sparse_sink_attention_fp4_pallas
+
+    assert kernel_unsupported_reason(64, 512, SparseAttentionConfig(320), fp4=True) is None
+    assert "multiple of 128" in kernel_unsupported_reason(64, 128, SparseAttentionConfig(320), fp4=True)
+    assert "one producer" in kernel_unsupported_reason(64, 512, SparseAttentionConfig(320, producer_warpgroups=2),
+                                                       fp4=True)
+    assert smem_bytes(512, 320, fp4=True) - smem_bytes(512, 320) == 64 * 256 + 64 * 32
+    rng = np.random.default_rng(13)
+    q, win, widx, comp, cidx, sink = _fp4_inputs(rng, 1, 1, 4, 256, 8, 8, 4, 4)
+    with pytest.raises(ValueError, match="comp_scale_bng"):
+        sparse_sink_attention_fp4_pallas(q, win, jnp.asarray(widx), comp["values"],
+                                         comp["scale"].astype(jnp.float32), jnp.asarray(cidx), sink, 0.1)
+    with pytest.raises(ValueError, match="comp_idx_btk"):
+        sparse_sink_attention_fp4_pallas(q, win, jnp.asarray(widx), comp["values"], comp["scale"],
+                                         jnp.asarray(cidx[0]), sink, 0.1)
+
+
+@pytest.mark.parametrize("cfg", [SparseAttentionConfig(320), SparseAttentionConfig(640),
+                                 SparseAttentionConfig(320, no_auto_barriers=True)])
+def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
+    """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
+    are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter
+    starves on this 2-core host with this kernel (its warpgroups' callbacks wait for XLA's CPU threads)."""
+    from pallas_kernels.attention.kernel import sparse_sink_attention_fp4_pallas
+
+    args = (jax.ShapeDtypeStruct((64, 1, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 1, 128), jnp.int32), jax.ShapeDtypeStruct((64, 8192, 256), jnp.uint8),
+            jax.ShapeDtypeStruct((64, 8192, 32), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((64, 1, 512), jnp.int32),
+            jax.ShapeDtypeStruct((64,), jnp.float32))
+    fn = jax.jit(lambda *a: sparse_sink_attention_fp4_pallas(*a, 512 ** -0.5, cfg))
+    assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+
+def test_fp4_dispatcher_and_column_order():
+    from pallas_kernels.attention import sparse_sink_attention_fp4, sparse_sink_attention_fp4_xla
+    from pallas_kernels.attention.kernel import fp4_column_order
+
+    order = np.asarray(fp4_column_order(32))
+    assert order.tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                              16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31]
+    rng = np.random.default_rng(14)
+    q, win, widx, comp, cidx, sink = _fp4_inputs(rng, 1, 2, 4, 64, 10, 12, 6, 8)
+    args = (q, win, jnp.asarray(widx), comp["values"], comp["scale"], jnp.asarray(cidx), sink, 0.125)
+    assert np.array_equal(_bits(sparse_sink_attention_fp4(*args)), _bits(sparse_sink_attention_fp4_xla(*args)))
+    assert sparse_sink_attention_fp4(*args, impl="reference").dtype == jnp.float32

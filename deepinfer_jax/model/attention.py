@@ -80,6 +80,17 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)
+    if (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
+            and impl != "interpret"):   # (the interpreter hangs on the FP4 variant on a 2-core host: the decoded path)
+        # V4.1's FP4 compressed cache: the op reads only the selected rows, as stored (no bf16 copy of
+        # the whole cache per step).
+        n_w = win_mask_btw.shape[-1]
+        win_idx = jnp.where(win_mask_btw, jnp.arange(n_w, dtype=jnp.int32), -1)
+        if impl == "pallas_mosaic_gpu" and pk_attn.kernel_unsupported_reason(h, d, config, fp4=True) is not None:
+            impl = "xla"  # same numerics, any shape
+        return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype), win_idx, comp_kv["values"],
+                                                 comp_kv["scale"], idx_btk.astype(jnp.int32), sink_h, scale,
+                                                 config=config, impl=impl)
     kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout)
     if impl == "interpret":
         from pallas_kernels.attention.config import BLOCK_ROWS

@@ -32,6 +32,9 @@ class SparseAttentionConfig:
     #: the CPU lowering but not yet timed on a GPU, and the Mosaic GPU interpreter can starve its four
     #: warpgroup threads on a 2-core host, so the tests run it only where asked).
     producer_warpgroups: int = 1
+    #: Drop the warpgroup sync Pallas inserts before every copy (and smem access); the kernel's own
+    #: barriers order its buffers. A speed experiment until measured on the H200.
+    no_auto_barriers: bool = False
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
@@ -44,8 +47,9 @@ class SparseAttentionConfig:
         return -(-k // self.split_rows)
 
 
-def smem_bytes(head_dim: int, split_rows: int) -> int:
-    """Shared memory the kernel allocates for one CTA (see kernel.py for the buffers)."""
+def smem_bytes(head_dim: int, split_rows: int, fp4: bool = False) -> int:
+    """Shared memory the kernel allocates for one CTA (see kernel.py for the buffers); fp4: the variant
+    reading FP4 compressed rows, which adds a landing block of packed rows and its scales."""
     bf16 = 2
     q = HEAD_GROUP * head_dim * bf16
     stage = BLOCK_ROWS * head_dim * bf16           # two 32-row TMA landing slots
@@ -53,14 +57,21 @@ def smem_bytes(head_dim: int, split_rows: int) -> int:
     probs = HEAD_GROUP * BLOCK_ROWS * bf16
     exchange = 2 * HEAD_GROUP * 4
     idx = split_rows * 4
-    return q + stage + tiled + probs + exchange + idx
+    fp4_rows = BLOCK_ROWS * head_dim // 2 + BLOCK_ROWS * head_dim // 16 if fp4 else 0
+    return q + stage + tiled + probs + exchange + idx + fp4_rows
 
 
-def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAttentionConfig) -> str | None:
-    """None if the kernel runs this shape, else why not (the caller then uses the XLA path)."""
+def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAttentionConfig,
+                              fp4: bool = False) -> str | None:
+    """None if the kernel (fp4: the variant reading FP4 compressed rows) runs this shape, else why not
+    (the caller then uses the XLA path)."""
     del num_heads  # any head count runs (padded / grouped to 64)
     if head_dim % 128 or head_dim < 128:
         return f"head_dim={head_dim} must be a multiple of 128 (each warpgroup owns head_dim/2 output columns)"
-    if (need := smem_bytes(head_dim, config.split_rows)) > SMEM_LIMIT_BYTES:
+    if fp4 and head_dim % 256:
+        return f"head_dim={head_dim}: the FP4 variant copies packed rows of head_dim/2 bytes, a multiple of 128"
+    if fp4 and config.producer_warpgroups != 1:
+        return "the FP4 variant has one producer warpgroup"
+    if (need := smem_bytes(head_dim, config.split_rows, fp4)) > SMEM_LIMIT_BYTES:
         return f"head_dim={head_dim}, split_rows={config.split_rows} need {need} B of shared memory"
     return None

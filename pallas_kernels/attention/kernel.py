@@ -14,6 +14,18 @@ Layout of the work (D = head_dim, 64 heads = the wgmma M dimension):
   With several splits each CTA writes a normalised partial output and its log-sum-exp, merged in a fixed
   order by ``merge_splits`` together with the sink.
 
+FP4 compressed rows (``sparse_sink_attention_fp4_pallas``). The index list is then two lists: window
+rows (bf16, as above) and rows of the compressed cache as stored at deployment precision (packed E2M1
+values, 256 B per 512-dim row, with an E4M3 scale per 16 values). The window part is padded to whole
+64-row blocks, so a block is either all window or all compressed, which the producer and the consumers
+tell from the block's position. For a compressed block the producer copies each selected row's 256 value
+bytes into an FP4 landing block, and the block's 64 x 32 scale bytes (gathered per query by the wrapper:
+Mosaic's warpgroup copies move multiples of 128 bytes, and a row's scales are 32) into a scale slot;
+both consumers then dequantize all 64 rows, each its D/2 columns, into the wgmma tile. A packed byte
+holds elements 2j and 2j+1, so the kernel's columns are each 16-value scale group's even elements then its
+odd ones; the wrapper permutes q and the window rows the same way (the dot products are unchanged) and
+un-permutes the output.
+
 Every CTA's arithmetic depends only on its own query row, its index row and the config, so the result
 is batch-invariant by construction. Every wgmma reads its A operand from shared memory and accumulates
 into a fresh accumulator (the running output is rescaled in registers), which also lets the Mosaic GPU
@@ -37,11 +49,27 @@ _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see a valid score
 _SWIZZLE = 64     # bytes; 32 bf16 columns per tile, so each consumer's 32 probability columns are whole tiles
 _HALF_ROWS = BLOCK_ROWS // 2
+_FP4_GROUP = 16   # values per E4M3 scale in the compressed cache (kv_codec.COMPRESSED)
+
+
+def _fp4_nibble_to_f32(nib):
+    """E2M1 code (int32 0..15, sign in bit 3) -> its value: 0.5c + 0.5 max(c-4, 0) + max(c-6, 0) for the
+    magnitude code c gives 0, .5, 1, 1.5, 2, 3, 4, 6 with float arithmetic only (no table in registers)."""
+    c = (nib & 7).astype(jnp.float32)
+    mag = 0.5 * c + 0.5 * jnp.maximum(c - 4.0, 0.0) + jnp.maximum(c - 6.0, 0.0)
+    return mag * (1.0 - 2.0 * (nib >> 3).astype(jnp.float32))
 
 
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
-           scale: float, n_producers: int):
-    """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64]."""
+           scale: float, n_producers: int, win_blocks: int | None = None, groups: int = 1,
+           no_auto_barriers: bool = False):
+    """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64];
+    with ``win_blocks`` (FP4 mode) also values [B, N, D/2] uint8 and the per-query gathered scales
+    [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
+    window rows."""
+    fp4 = win_blocks is not None
+    if fp4 and n_producers != 1:
+        raise ValueError("the FP4 kernel has one producer warpgroup")
     h, d = HEAD_GROUP, head_dim
     dh = d // 2                      # output columns per consumer warpgroup
     cw = 128 if dh % 128 == 0 else 64  # output columns per p.kv wgmma (keeps the fresh accumulator small)
@@ -52,8 +80,26 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((_HALF_ROWS, d), jnp.bfloat16, _SWIZZLE)
     score_scale = scale * _LOG2E     # exponentials are base 2; m and the log-sum-exp are in log2 units
 
-    def body(q_ref, kv_ref, idx_ref, sink_ref, out_refs, scratch):
-        (q_smem, idx_smem, stage, tiled, probs, xmax), (q_bar, idx_bar, ready, free, xbar) = scratch
+    n_groups = d // _FP4_GROUP           # scale groups per row
+    group_bytes = _FP4_GROUP // 2
+
+    def dequant_chunk(fstage, fscale, cc):
+        """[64, 32] bf16 of kernel columns [32cc, 32cc + 32): two scale groups, evens then odds each."""
+        pieces = []
+        for grp in (2 * cc, 2 * cc + 1):
+            sc = plgpu.load(fscale.at[grp], layout=row_layout, optimized=False)
+            sc = lax.broadcast_in_dim(sc.astype(jnp.float16).astype(jnp.float32), (BLOCK_ROWS, _FP4_GROUP), [0])
+            q8 = plgpu.load(fstage.at[:, pl.ds(grp * group_bytes, group_bytes)], layout=plgpu.Layout.WGMMA,
+                            optimized=False).astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
+            vals = jnp.concatenate([_fp4_nibble_to_f32(q8 & 15), _fp4_nibble_to_f32(q8 >> 4)], axis=1)
+            pieces.append(vals * sc)
+        return jnp.concatenate(pieces, axis=1).astype(jnp.bfloat16)
+
+    def body(q_ref, kv_ref, idx_ref, sink_ref, *rest):
+        if fp4:
+            cv_ref, cs_ref, *rest = rest
+        out_refs, scratch = rest[:-1], rest[-1]
+        (q_smem, idx_smem, stage, tiled, probs, xmax, *fp4_smem), (q_bar, idx_bar, ready, free, xbar, *fp4_bar) = scratch
         n = lax.axis_index("query")
         split = lax.axis_index("split")
         batch = lax.div(n, jnp.int32(queries_per_batch))
@@ -81,9 +127,29 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
 
             def block(i, carry):
                 o, m, l = carry
-                plgpu.barrier_wait(ready.at[half])
-                tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
-                plgpu.commit_smem()
+                if not fp4:
+                    plgpu.barrier_wait(ready.at[half])
+                    tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
+                    plgpu.commit_smem()
+                else:
+                    # Both consumers wait on both slots every block: barrier phases are counted per waiter.
+                    fstage, fscale = fp4_smem
+                    plgpu.barrier_wait(ready.at[0])
+                    plgpu.barrier_wait(ready.at[1])
+                    plgpu.barrier_wait(fp4_bar[0])
+                    is_win = split * n_blocks + i < win_blocks
+
+                    @pl.when(is_win)
+                    def _():
+                        tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
+
+                    @pl.when(jnp.logical_not(is_win))
+                    def _():
+                        for c in range(dh // 32):
+                            cc = half * (dh // 32) + c
+                            tiled.at[:, pl.ds(cc * 32, 32)][...] = dequant_chunk(fstage, fscale, cc)
+                    plgpu.commit_smem()
+                    rendezvous()  # every row of the tile is written; the landing block and scales are read
                 plgpu.barrier_arrive(free.at[half])
 
                 def qk(acc_ref):
@@ -155,6 +221,44 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                 plgpu.copy_gmem_to_smem(idx_ref.at[n, split], idx_smem, idx_bar)
             plgpu.barrier_wait(idx_bar)
 
+            if fp4:
+                fstage, fscale = fp4_smem
+                bt = lax.div(n, jnp.int32(groups))
+
+                @pl.loop(0, n_blocks)
+                def _(i):
+                    g = split * n_blocks + i
+
+                    @pl.when(i > 0)
+                    def _():  # the landing block and the scale slot are shared by both halves
+                        plgpu.barrier_wait(free.at[0])
+                        plgpu.barrier_wait(free.at[1])
+
+                    @pl.when(g < win_blocks)
+                    def _():
+                        for half in (0, 1):
+                            for j in range(_HALF_ROWS):
+                                row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
+                                plgpu.copy_gmem_to_smem(kv_ref.at[batch, pl.ds(row, 1)],
+                                                        stage.at[half, pl.ds(j, 1)], ready.at[half])
+
+                    # Every block brings a scale slot (zeros for window blocks): the consumers then wait
+                    # on it unconditionally, which keeps barrier waits out of branches.
+                    plgpu.copy_gmem_to_smem(cs_ref.at[bt, g], fscale, fp4_bar[0])
+
+                    @pl.when(g >= win_blocks)
+                    def _():
+                        for half in (0, 1):
+                            for j in range(_HALF_ROWS):
+                                r = half * _HALF_ROWS + j
+                                row = jnp.maximum(idx_smem[i, r], 0)
+                                plgpu.copy_gmem_to_smem(cv_ref.at[batch, pl.ds(row, 1)], fstage.at[pl.ds(r, 1)],
+                                                        ready.at[half])
+                plgpu.barrier_wait(q_bar)
+                plgpu.barrier_wait(free.at[0])
+                plgpu.barrier_wait(free.at[1])
+                return
+
             @pl.loop(0, n_blocks)
             def _(i):
                 for half in halves:
@@ -198,19 +302,28 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
          plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_arrivals=2)),
     )
+    if fp4:
+        scratch = ((*scratch[0],
+                    plgpu.SMEM((BLOCK_ROWS, d // 2), jnp.uint8),                      # FP4 landing block
+                    plgpu.SMEM((n_groups, BLOCK_ROWS), jnp.float8_e4m3fn)),           # its scales
+                   (*scratch[1], plgpu.Barrier()))
     if n_splits == 1:
         out_type = (jax.ShapeDtypeStruct((n_queries, h, d), jnp.bfloat16),)
     else:
         out_type = (jax.ShapeDtypeStruct((n_queries, n_splits, h, d), jnp.float32),
                     jax.ShapeDtypeStruct((n_queries, n_splits, h), jnp.float32))
 
-    def entry(q_ref, kv_ref, idx_ref, sink_ref, *out_refs):
-        pl.run_scoped(lambda *s: body(q_ref, kv_ref, idx_ref, sink_ref, out_refs, s), *scratch,
-                      collective_axes="wg")
+    def entry(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
+    params = dict(approx_math=True)
+    if no_auto_barriers:
+        # Pallas otherwise syncs the issuing warpgroup before every copy (one row each here); the
+        # producer only writes landing slots that the consumers release through barriers.
+        params["unsafe_no_auto_barriers"] = True
     return plgpu.kernel(entry, out_type=out_type, grid=(n_queries, n_splits), grid_names=("query", "split"),
                         num_threads=2 + n_producers, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True))
+                        compiler_params=plgpu.CompilerParams(**params))
 
 
 def merge_splits(o_nshd: jax.Array, lse_nsh: jax.Array, sink_nh: jax.Array) -> jax.Array:
@@ -260,7 +373,7 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     idx = idx.reshape(b * t * groups, n_splits, config.split_rows // BLOCK_ROWS, BLOCK_ROWS)
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
-                  config.producer_warpgroups)
+                  config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers)
     outs = call(q, kv_bsd, idx, sink)
     if n_splits == 1:
         o = outs[0]
@@ -268,3 +381,69 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
         sink_nh = jnp.tile(sink, (b * t, 1))
         o = merge_splits(outs[0], outs[1], sink_nh).astype(jnp.bfloat16)
     return o.reshape(b, t, hp, d)[:, :, :h]
+
+
+def fp4_column_order(d: int) -> jax.Array:
+    """Kernel column j holds element ``order[j]``: each 16-value scale group's even elements, then its odd."""
+    grp = jnp.arange(d // _FP4_GROUP, dtype=jnp.int32)[:, None, None] * _FP4_GROUP
+    par = jnp.arange(2, dtype=jnp.int32)[None, :, None]
+    i = jnp.arange(_FP4_GROUP // 2, dtype=jnp.int32)[None, None, :]
+    return (grp + 2 * i + par).reshape(d)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config"))
+def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, win_idx_btk: jax.Array,
+                                     comp_values_bnc: jax.Array, comp_scale_bng: jax.Array,
+                                     comp_idx_btk: jax.Array, sink_h: jax.Array, scale: float,
+                                     config: SparseAttentionConfig = SparseAttentionConfig()) -> jax.Array:
+    """-> o_bthd bf16. ``pallas_kernels.attention.sparse_sink_attention_fp4``'s contract: attention over
+    the listed window rows (bf16) and the listed compressed rows, read as stored (packed E2M1 values
+    [B, N, D/2] uint8 with an E4M3 scale per 16 values [B, N, D/16]) and dequantized in the kernel."""
+    b, t, h, d = q_bthd.shape
+    if win_kv_bsd.ndim != 3 or win_kv_bsd.shape[0] != b or win_kv_bsd.shape[2] != d:
+        raise ValueError(f"win_kv_bsd {win_kv_bsd.shape} does not match q_bthd {q_bthd.shape} (want [{b}, S, {d}])")
+    n_c = comp_values_bnc.shape[1]
+    if comp_values_bnc.shape != (b, n_c, d // 2) or comp_values_bnc.dtype != jnp.uint8:
+        raise ValueError(f"comp_values_bnc {comp_values_bnc.shape} {comp_values_bnc.dtype}: want uint8 "
+                         f"[{b}, N, {d // 2}] (two E2M1 values per byte)")
+    if comp_scale_bng.shape != (b, n_c, d // _FP4_GROUP) or comp_scale_bng.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"comp_scale_bng {comp_scale_bng.shape} {comp_scale_bng.dtype}: want float8_e4m3fn "
+                         f"[{b}, {n_c}, {d // _FP4_GROUP}] (one scale per {_FP4_GROUP} values)")
+    for name, ix in (("win_idx_btk", win_idx_btk), ("comp_idx_btk", comp_idx_btk)):
+        if ix.ndim != 3 or ix.shape[:2] != (b, t):
+            raise ValueError(f"{name} {ix.shape} does not match q_bthd {q_bthd.shape} (want [{b}, {t}, K])")
+    if sink_h.shape != (h,):
+        raise ValueError(f"sink_h {sink_h.shape} must be [{h}]")
+    if q_bthd.dtype != jnp.bfloat16 or win_kv_bsd.dtype != jnp.bfloat16:
+        raise ValueError(f"the kernel takes bf16 q and window rows, got {q_bthd.dtype} and {win_kv_bsd.dtype}")
+    if (why := kernel_unsupported_reason(h, d, config, fp4=True)) is not None:
+        raise ValueError(f"sparse_sink_attention_fp4_pallas cannot run this shape: {why}")
+
+    groups = -(-h // HEAD_GROUP)
+    hp = groups * HEAD_GROUP
+    kw = -(-win_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
+    kc = -(-comp_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
+    n_splits = config.num_splits(kw + kc)
+    kp = n_splits * config.split_rows
+    pad = lambda ix, k: jnp.pad(ix.astype(jnp.int32), ((0, 0), (0, 0), (0, k - ix.shape[2])),  # noqa: E731
+                                constant_values=-1)
+    idx = jnp.concatenate([pad(win_idx_btk, kw), pad(comp_idx_btk, kp - kw)], axis=-1).reshape(b * t, kp)
+    idx = jnp.repeat(idx, groups, axis=0).reshape(b * t * groups, n_splits, config.split_rows // BLOCK_ROWS,
+                                                  BLOCK_ROWS)
+    # Each query's selected scale rows, block by block, scale-group major (what the kernel's slot holds).
+    comp_idx = jnp.concatenate([jnp.full((b, t, kw), -1, jnp.int32), pad(comp_idx_btk, kp - kw)], axis=-1)
+    rows = jnp.take_along_axis(comp_scale_bng[:, None], jnp.maximum(comp_idx, 0)[..., None], axis=2)
+    rows = jnp.where((comp_idx >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
+    cs = rows.reshape(b * t, kp // BLOCK_ROWS, BLOCK_ROWS, d // _FP4_GROUP).transpose(0, 1, 3, 2)
+
+    order = fp4_column_order(d)
+    q = jnp.pad(q_bthd[..., order], ((0, 0), (0, 0), (0, hp - h), (0, 0))).reshape(b * t * groups, HEAD_GROUP, d)
+    sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h)).reshape(groups, HEAD_GROUP)
+    call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale), 1,
+                  win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers)
+    outs = call(q, win_kv_bsd[..., order], idx, sink, comp_values_bnc, cs)
+    if n_splits == 1:
+        o = outs[0]
+    else:
+        o = merge_splits(outs[0], outs[1], jnp.tile(sink, (b * t, 1))).astype(jnp.bfloat16)
+    return o.reshape(b, t, hp, d)[:, :, :h][..., jnp.argsort(order)]
