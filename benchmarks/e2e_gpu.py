@@ -21,6 +21,8 @@ Sections:
   dense matmul rate.
 * profile: one decode step (at --profile-batch and the first context) timed per kernel by CUPTI,
   largest first, each XLA kernel with the jax op it came from (GPU only).
+* timeline: the same step (the engine's compiled program, no second compile) under jax.profiler only:
+  wall ms/step against GPU busy time and the longest idle gaps.
 * xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
   dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
   XLA-only path, as a ratio to the kernel path.
@@ -251,6 +253,18 @@ def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, to
     return dict(batch=b, context=ctx, total_ms=total, kernels=rows[:200], timeline=timeline)
 
 
+def run_timeline(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int):
+    """``_timeline`` alone: the engine's own decode program (compiled once per shape, shared with the
+    decode section), no second compile."""
+    sch = scheduler(m, numerics, b, max_len, 1)
+    try:
+        sch.state["cache"] = None
+        sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
+        return dict(batch=b, context=ctx, **_timeline(sch, m, decode_inputs(sch, ctx)))
+    finally:
+        sch.state = None
+
+
 def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
     """The engine's own (donating) decode step under jax.profiler: wall time per step against the time
     the GPU is busy, and the longest idle gaps with the GPU events around them (host-bound waits)."""
@@ -277,7 +291,7 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
             events += [(e.start_ns, e.end_ns, e.name, line.name) for e in line.events]
     events.sort()
     if not events:
-        return dict(wall_ms=wall_ms, error="no GPU events in the trace")
+        return dict(wall_ms=wall_ms, note="no GPU events in the trace (not a GPU)")
     busy, gaps, end, prev = 0, [], events[0][0], events[0]
     kinds: dict[str, float] = {}
     for ev in events:
@@ -398,6 +412,8 @@ def main(argv=None):
     max_len = max(contexts) + 64
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
+    if "timeline" in want:
+        section("timeline", run_timeline, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "profile" in want:
         section("profile", run_profile, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "prefill" in want:
