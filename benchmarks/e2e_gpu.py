@@ -301,7 +301,8 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
         busy += max(0, stop - max(start, end))
         if stop > end:
             end, prev = stop, ev
-        kind = "memcpy" if "memcpy" in name.lower() or "Memcpy" in line else "kernel"
+        # (line names list every kind a stream carries, so classify by the event's own name)
+        kind = "memcpy/memset" if name.startswith(("Memcpy", "Memset", "memcpy", "memset")) else "kernel"
         kinds[kind] = kinds.get(kind, 0.0) + (stop - start) / 1e6
     span_ms = (end - events[0][0]) / 1e6
     gaps.sort(reverse=True)
