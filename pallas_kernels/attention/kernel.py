@@ -44,6 +44,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
+from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32  # the grouped GEMM's "arith" E2M1 decode
 
 _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see a valid score
@@ -51,13 +52,6 @@ _SWIZZLE = 64     # bytes; 32 bf16 columns per tile, so each consumer's 32 proba
 _HALF_ROWS = BLOCK_ROWS // 2
 _FP4_GROUP = 16   # values per E4M3 scale in the compressed cache (kv_codec.COMPRESSED)
 
-
-def _fp4_nibble_to_f32(nib):
-    """E2M1 code (int32 0..15, sign in bit 3) -> its value: 0.5c + 0.5 max(c-4, 0) + max(c-6, 0) for the
-    magnitude code c gives 0, .5, 1, 1.5, 2, 3, 4, 6 with float arithmetic only (no table in registers)."""
-    c = (nib & 7).astype(jnp.float32)
-    mag = 0.5 * c + 0.5 * jnp.maximum(c - 4.0, 0.0) + jnp.maximum(c - 6.0, 0.0)
-    return mag * (1.0 - 2.0 * (nib >> 3).astype(jnp.float32))
 
 
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
