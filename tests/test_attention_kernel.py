@@ -280,7 +280,7 @@ def test_fp4_shape_limits_and_errors():
 def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
     are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter
-    starves on this 2-core host with this kernel (its warpgroups' callbacks wait for XLA's CPU threads)."""
+    hangs on this kernel (pallas_kernels/attention/README.md: once the scratch list has 8 buffers)."""
     from pallas_kernels.attention.kernel import sparse_sink_attention_fp4_pallas
 
     args = (jax.ShapeDtypeStruct((64, 1, 64, 512), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128, 512), jnp.bfloat16),

@@ -81,7 +81,7 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)
     if (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
-            and impl != "interpret"):   # (the interpreter hangs on the FP4 variant on a 2-core host: the decoded path)
+            and impl != "interpret"):   # (the interpreter hangs on the FP4 variant: the decoded path)
         # V4.1's FP4 compressed cache: the op reads only the selected rows, as stored (no bf16 copy of
         # the whole cache per step).
         n_w = win_mask_btw.shape[-1]
