@@ -301,7 +301,7 @@ def make_fp4_problem(key, rng, b, n, invalid_frac=0.0):
 def fp4_impls(names):
     from pallas_kernels.attention import sparse_sink_attention_fp4_xla
     from pallas_kernels.attention.kernel import sparse_sink_attention_fp4_pallas
-    from deepinfer_jax.model import kv_codec
+    from deepinfer_jax.model.attention import sparse_inputs
 
     out = {}
     for n in names:
@@ -310,9 +310,7 @@ def fp4_impls(names):
         elif n == "bf16-decoded/kernel":
             # what the model did before: decode the whole compressed cache, concatenate, bf16 kernel
             def f(q, w, wi, cv, cs, ci, sink):
-                comp = kv_codec.decode(kv_codec.COMPRESSED, {"values": cv, "scale": cs}, jnp.bfloat16)
-                kv = jnp.concatenate([w, comp], axis=1)
-                idx = jnp.concatenate([wi, jnp.where(ci >= 0, ci + WINDOW, -1)], axis=-1)
+                kv, idx = sparse_inputs(w, wi >= 0, {"values": cv, "scale": cs}, ci, jnp.bfloat16)
                 return sparse_sink_attention_pallas(q, kv, idx, sink, SCALE, SparseAttentionConfig(320))
             out[n] = f
         else:

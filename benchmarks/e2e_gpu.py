@@ -20,7 +20,8 @@ Sections:
   without bounded replay: tokens/s, and matmul + attention-core FLOPs over time as a fraction of the
   dense matmul rate.
 * profile: one decode step (at --profile-batch and the first context) timed per kernel by CUPTI,
-  largest first, each XLA kernel with the jax op it came from (GPU only).
+  largest first, each XLA kernel with the jax op it came from (GPU only). On jax 0.11.2 the list missed
+  most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
 * timeline: the same step (the engine's compiled program, no second compile) under jax.profiler only:
   wall ms/step against GPU busy time and the longest idle gaps.
 * xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
@@ -147,6 +148,13 @@ def decode_inputs(sch: Scheduler, context: int) -> dict:
     return inp
 
 
+def fill_for_decode(sch: Scheduler, m: Model, numerics: Numerics, ctx: int) -> dict:
+    """Give every slot a synthetic cache at context ``ctx`` and return that step's inputs."""
+    sch.state["cache"] = None  # free the old cache before the new one is made
+    sch.state["cache"] = synthetic_cache(m.cfg, sch.ec.max_slots, sch.ec.max_len, ctx, numerics)
+    return decode_inputs(sch, ctx)
+
+
 def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10):
     rows = []
     copy = RESULTS.get("copy_Bps")
@@ -167,9 +175,7 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
     try:
         compile_s = None
         for ctx in contexts:
-            sch.state["cache"] = None
-            sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
-            inp = decode_inputs(sch, ctx)
+            inp = fill_for_decode(sch, m, numerics, ctx)
 
             def step():
                 sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
@@ -223,9 +229,7 @@ def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, to
 
     sch = scheduler(m, numerics, b, max_len, 1)
     try:
-        sch.state["cache"] = None
-        sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
-        inp = decode_inputs(sch, ctx)
+        inp = fill_for_decode(sch, m, numerics, ctx)
         # The engine's decode program donates its state; profiling calls it repeatedly on one state.
         step = jax.jit(sch._decode.__wrapped__).lower(m.params, sch.state, inp, sch.consts).compile()
         sites = _hlo_sites(step.as_text())
@@ -258,9 +262,7 @@ def run_timeline(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int):
     decode section), no second compile."""
     sch = scheduler(m, numerics, b, max_len, 1)
     try:
-        sch.state["cache"] = None
-        sch.state["cache"] = synthetic_cache(m.cfg, b, max_len, ctx, numerics)
-        return dict(batch=b, context=ctx, **_timeline(sch, m, decode_inputs(sch, ctx)))
+        return dict(batch=b, context=ctx, **_timeline(sch, m, fill_for_decode(sch, m, numerics, ctx)))
     finally:
         sch.state = None
 

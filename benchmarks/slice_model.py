@@ -130,17 +130,24 @@ def _plain(key, name: str, dtype: str, shape: tuple[int, ...]):
     return v.astype(jnp.bfloat16)
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, progress=None) -> dict:
-    """The backbone params pytree of ``cfg`` with random weights in the stored dtypes, on the default device."""
-    specs = {n: s for n, s in expected_tensors(cfg).items() if s.group == BACKBONE}
-    # stacked experts: one leaf per (layer, w1/w2/w3), [E, ...]
-    leaves: dict[tuple, tuple[str, str, tuple]] = {}  # path -> (a name, dtype, stacked shape)
+def _leaf_table(specs: dict) -> tuple[dict[tuple, tuple[str, str, tuple]], dict[tuple, int]]:
+    """The params leaves the checkpoint tensors ``specs`` make: path -> (a tensor name, stored dtype,
+    per-expert shape), and path -> expert count for the stacked routed experts (one leaf per layer and
+    w1/w2/w3, [E, ...])."""
+    leaves: dict[tuple, tuple[str, str, tuple]] = {}
     counts: dict[tuple, int] = {}
     for name, sp in specs.items():
         path, expert = param_path(name)
         if expert is not None:
             counts[path] = max(counts.get(path, 0), expert + 1)
         leaves.setdefault(path, (name, sp.dtype, tuple(sp.shape)))
+    return leaves, counts
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, progress=None) -> dict:
+    """The backbone params pytree of ``cfg`` with random weights in the stored dtypes, on the default device."""
+    specs = {n: s for n, s in expected_tensors(cfg).items() if s.group == BACKBONE}
+    leaves, counts = _leaf_table(specs)
     made: dict[tuple, jax.Array] = {}
     key = jax.random.key(seed)
     jit_fp8 = jax.jit(_fp8_weight, static_argnums=(1, 2))
@@ -345,20 +352,14 @@ def v4flash_float_params(cfg: ModelConfig, seed: int = 0) -> dict:
     if cfg.variant != "v4":
         raise ValueError(f"v4flash_float_params builds V4-Flash params, not {cfg.variant}")
     specs = {n: s for n, s in expected_tensors(cfg).items() if s.group == BACKBONE and s.dtype != "F8_E8M0"}
-    leaves: dict[tuple, tuple[str, tuple]] = {}  # path -> (stored dtype, per-expert shape)
-    counts: dict[tuple, int] = {}
-    for name, sp in specs.items():
-        path, expert = param_path(name)
-        if expert is not None:
-            counts[path] = max(counts.get(path, 0), expert + 1)
-        leaves.setdefault(path, (sp.dtype, tuple(sp.shape)))
+    leaves, counts = _leaf_table(specs)
     key = jax.random.key(seed)
     jit_linear = jax.jit(_float_linear, static_argnums=1)
     # _plain is run eagerly: jitted with the leaf's name static it would compile once per leaf, and its
     # ops are cached per shape eagerly (seconds saved on the tiny slice, nothing lost on the device)
     jit_hash = jax.jit(_hash_table, static_argnums=(1, 2))
     tree: dict = {}
-    for i, (path, (dtype, shape)) in enumerate(sorted(leaves.items(), key=lambda kv: str(kv[0]))):
+    for i, (path, (_, dtype, shape)) in enumerate(sorted(leaves.items(), key=lambda kv: str(kv[0]))):
         k = jax.random.fold_in(key, i)
         if dtype == "I8":  # packed FP4 holds two values a byte; unpacked it is [out, in]
             shape = (*shape[:-1], 2 * shape[-1])

@@ -68,26 +68,27 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
                    comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> jax.Array:
     """``sink_attention`` on the implementation ``numerics.kernels`` picks (numerics.py): the model's
     float32 code, or ``pallas_kernels.attention.sparse_sink_attention`` (the Mosaic GPU kernel on Hopper,
-    its XLA fallback elsewhere). The choice depends on the platform, the mode and static shapes only."""
+    its XLA fallback elsewhere). With V4.1's quantized compressed cache the op is its FP4 variant,
+    ``sparse_sink_attention_fp4``, which reads the selected rows as stored instead of a bf16 copy of the
+    whole cache. The choice depends on the platform, the mode and static shapes only."""
     from pallas_kernels import attention as pk_attn
 
     h, d = q_bthd.shape[-2:]
     config = pk_attn.SparseAttentionConfig()
-    why = pk_attn.kernel_unsupported_reason(h, d, config)
+    # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
+    fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
+           and numerics.kernel_mode("attention") != "interpret")
+    why = pk_attn.kernel_unsupported_reason(h, d, config, fp4=fp4)
     if why is None and q_bthd.dtype != jnp.bfloat16:
         why = f"the kernel takes bf16 q and kv, not {q_bthd.dtype}"
-    route, impl = kernel_route(numerics, "attention", "sparse_sink_attention", why)
+    route, impl = kernel_route(numerics, "attention", "sparse_sink_attention_fp4" if fp4 else "sparse_sink_attention",
+                               why)
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)
-    if (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
-            and impl != "interpret"):   # (the interpreter hangs on the FP4 variant: the decoded path)
-        # V4.1's FP4 compressed cache: the op reads only the selected rows, as stored (no bf16 copy of
-        # the whole cache per step).
+    if fp4:
         n_w = win_mask_btw.shape[-1]
         win_idx = jnp.where(win_mask_btw, jnp.arange(n_w, dtype=jnp.int32), -1)
-        if impl == "pallas_mosaic_gpu" and pk_attn.kernel_unsupported_reason(h, d, config, fp4=True) is not None:
-            impl = "xla"  # same numerics, any shape
         return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype), win_idx, comp_kv["values"],
                                                  comp_kv["scale"], idx_btk.astype(jnp.int32), sink_h, scale,
                                                  config=config, impl=impl)

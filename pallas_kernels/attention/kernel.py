@@ -45,6 +45,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32  # the grouped GEMM's "arith" E2M1 decode
+from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
 
 _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see a valid score
@@ -339,6 +340,33 @@ def merge_splits(o_nshd: jax.Array, lse_nsh: jax.Array, sink_nh: jax.Array) -> j
     return acc / denom[..., None]
 
 
+def _head_groups(q_bthd: jax.Array, sink_h: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """q [B, T, H, D] -> [B*T*groups, 64, D] and sink -> [groups, 64] (heads zero-padded to 64-head groups)."""
+    b, t, h, d = q_bthd.shape
+    groups = -(-h // HEAD_GROUP)
+    hp = groups * HEAD_GROUP
+    q = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, hp - h), (0, 0))).reshape(b * t * groups, HEAD_GROUP, d)
+    sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h)).reshape(groups, HEAD_GROUP)
+    return q, sink, groups
+
+
+def _split_blocks(idx_bk: jax.Array, groups: int, config: SparseAttentionConfig) -> jax.Array:
+    """Index rows [B*T, splits*split_rows] -> [B*T*groups, splits, blocks, 64], one copy per head group."""
+    n_splits = idx_bk.shape[1] // config.split_rows
+    return jnp.repeat(idx_bk, groups, axis=0).reshape(idx_bk.shape[0] * groups, n_splits,
+                                                      config.split_rows // BLOCK_ROWS, BLOCK_ROWS)
+
+
+def _outputs(outs, sink: jax.Array, shape_bthd: tuple[int, ...]) -> jax.Array:
+    """The kernel's outputs (one split: o; several: per-split o and lse, merged here) -> o_bthd bf16."""
+    b, t, h, d = shape_bthd
+    if len(outs) == 1:
+        o = outs[0]
+    else:
+        o = merge_splits(outs[0], outs[1], jnp.tile(sink, (b * t, 1))).astype(jnp.bfloat16)
+    return o.reshape(b, t, -1, d)[:, :, :h]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: jax.Array, sink_h: jax.Array,
                                  scale: float, config: SparseAttentionConfig = SparseAttentionConfig()) -> jax.Array:
@@ -355,34 +383,21 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     if (why := kernel_unsupported_reason(h, d, config)) is not None:
         raise ValueError(f"sparse_sink_attention_pallas cannot run this shape: {why}")
 
-    groups = -(-h // HEAD_GROUP)
-    hp = groups * HEAD_GROUP
+    q, sink, groups = _head_groups(q_bthd, sink_h)
     k = idx_btk.shape[2]
     n_splits = config.num_splits(k)
     kp = n_splits * config.split_rows
-    q = jnp.pad(q_bthd, ((0, 0), (0, 0), (0, hp - h), (0, 0))).reshape(b * t * groups, HEAD_GROUP, d)
-    sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h)).reshape(groups, HEAD_GROUP)
     idx = jnp.pad(idx_btk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
-    idx = jnp.repeat(idx.reshape(b * t, kp), groups, axis=0)
-    idx = idx.reshape(b * t * groups, n_splits, config.split_rows // BLOCK_ROWS, BLOCK_ROWS)
+    idx = _split_blocks(idx.reshape(b * t, kp), groups, config)
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
                   config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers)
-    outs = call(q, kv_bsd, idx, sink)
-    if n_splits == 1:
-        o = outs[0]
-    else:
-        sink_nh = jnp.tile(sink, (b * t, 1))
-        o = merge_splits(outs[0], outs[1], sink_nh).astype(jnp.bfloat16)
-    return o.reshape(b, t, hp, d)[:, :, :h]
+    return _outputs(call(q, kv_bsd, idx, sink), sink, q_bthd.shape)
 
 
 def fp4_column_order(d: int) -> jax.Array:
     """Kernel column j holds element ``order[j]``: each 16-value scale group's even elements, then its odd."""
-    grp = jnp.arange(d // _FP4_GROUP, dtype=jnp.int32)[:, None, None] * _FP4_GROUP
-    par = jnp.arange(2, dtype=jnp.int32)[None, :, None]
-    i = jnp.arange(_FP4_GROUP // 2, dtype=jnp.int32)[None, None, :]
-    return (grp + 2 * i + par).reshape(d)
+    return fp4_k_permutation(d, _FP4_GROUP)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
@@ -413,31 +428,23 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
     if (why := kernel_unsupported_reason(h, d, config, fp4=True)) is not None:
         raise ValueError(f"sparse_sink_attention_fp4_pallas cannot run this shape: {why}")
 
-    groups = -(-h // HEAD_GROUP)
-    hp = groups * HEAD_GROUP
     kw = -(-win_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
     kc = -(-comp_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
     n_splits = config.num_splits(kw + kc)
     kp = n_splits * config.split_rows
     pad = lambda ix, k: jnp.pad(ix.astype(jnp.int32), ((0, 0), (0, 0), (0, k - ix.shape[2])),  # noqa: E731
                                 constant_values=-1)
-    idx = jnp.concatenate([pad(win_idx_btk, kw), pad(comp_idx_btk, kp - kw)], axis=-1).reshape(b * t, kp)
-    idx = jnp.repeat(idx, groups, axis=0).reshape(b * t * groups, n_splits, config.split_rows // BLOCK_ROWS,
-                                                  BLOCK_ROWS)
+    win_idx, comp_idx = pad(win_idx_btk, kw), pad(comp_idx_btk, kp - kw)
+    order = fp4_column_order(d)
+    q, sink, groups = _head_groups(q_bthd[..., order], sink_h)
+    idx = _split_blocks(jnp.concatenate([win_idx, comp_idx], axis=-1).reshape(b * t, kp), groups, config)
     # Each query's selected scale rows, block by block, scale-group major (what the kernel's slot holds).
-    comp_idx = jnp.concatenate([jnp.full((b, t, kw), -1, jnp.int32), pad(comp_idx_btk, kp - kw)], axis=-1)
+    comp_idx = jnp.concatenate([jnp.full((b, t, kw), -1, jnp.int32), comp_idx], axis=-1)
     rows = jnp.take_along_axis(comp_scale_bng[:, None], jnp.maximum(comp_idx, 0)[..., None], axis=2)
     rows = jnp.where((comp_idx >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
     cs = rows.reshape(b * t, kp // BLOCK_ROWS, BLOCK_ROWS, d // _FP4_GROUP).transpose(0, 1, 3, 2)
 
-    order = fp4_column_order(d)
-    q = jnp.pad(q_bthd[..., order], ((0, 0), (0, 0), (0, hp - h), (0, 0))).reshape(b * t * groups, HEAD_GROUP, d)
-    sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h)).reshape(groups, HEAD_GROUP)
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale), 1,
                   win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers)
     outs = call(q, win_kv_bsd[..., order], idx, sink, comp_values_bnc, cs)
-    if n_splits == 1:
-        o = outs[0]
-    else:
-        o = merge_splits(outs[0], outs[1], jnp.tile(sink, (b * t, 1))).astype(jnp.bfloat16)
-    return o.reshape(b, t, hp, d)[:, :, :h][..., jnp.argsort(order)]
+    return _outputs(outs, sink, q_bthd.shape)[..., jnp.argsort(order)]

@@ -51,7 +51,7 @@ def two_source_rows(win_kv_bsd: jax.Array, win_idx_btk: jax.Array, comp_values_b
                     comp_scale_bng: jax.Array, comp_idx_btk: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Each query's listed window and compressed rows as one problem per query: kv [B*T, Kw+Kc, D] and
     idx [B*T, 1, Kw+Kc] (the row's own position, -1 where the entry is skipped)."""
-    b, t, kw = win_idx_btk.shape
+    b, t, _ = win_idx_btk.shape
     win = jnp.take_along_axis(win_kv_bsd[:, None], jnp.maximum(win_idx_btk, 0)[..., None], axis=2).astype(dtype)
     comp = fp4_rows(comp_values_bnc, comp_scale_bng, comp_idx_btk, dtype)
     kv = jnp.concatenate([win, comp], axis=2)

@@ -258,13 +258,14 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                         grid=(n // bn, num_tiles), grid_names=("n", "t"), num_threads=3, thread_name="wg")
 
 
-def fp4_k_permutation(k: int) -> jax.Array:
-    """Column order the kernel uses for FP4: per 32-block, the even elements then the odd ones.
+def fp4_k_permutation(k: int, block: int = SCALE_BLOCK) -> jax.Array:
+    """Column order the kernel uses for FP4: per ``block`` elements (one scale's), the even elements then
+    the odd ones, the order packed nibbles unpack in.
 
-    Kernel column blk*32 + p*16 + i holds element blk*32 + 2i + p."""
-    blk = jnp.arange(k // SCALE_BLOCK, dtype=jnp.int32)[:, None, None] * SCALE_BLOCK
+    Kernel column blk*block + p*block/2 + i holds element blk*block + 2i + p."""
+    blk = jnp.arange(k // block, dtype=jnp.int32)[:, None, None] * block
     par = jnp.arange(2, dtype=jnp.int32)[None, :, None]
-    i = jnp.arange(_HALF, dtype=jnp.int32)[None, None, :]
+    i = jnp.arange(block // 2, dtype=jnp.int32)[None, None, :]
     return (blk + 2 * i + par).reshape(k)
 
 
