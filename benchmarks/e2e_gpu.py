@@ -54,6 +54,7 @@ from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  #
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
+from deepinfer_jax.model.moe import experts_run_kernel, prepare_expert_scales  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
 from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
                          slice_config, synthetic_cache)
@@ -296,8 +297,12 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
         return dict(wall_ms=wall_ms, note="no GPU events in the trace (not a GPU)")
     busy, gaps, end, prev = 0, [], events[0][0], events[0]
     kinds: dict[str, float] = {}
+    by_name: dict[str, list] = {}
     for ev in events:
         start, stop, name, line = ev
+        agg = by_name.setdefault(name.split("(")[0][:100], [0.0, 0])
+        agg[0] += (stop - start) / 1e6 / steps
+        agg[1] += 1
         if start > end:
             gaps.append(((start - end) / 1e6, prev[2][:60], name[:60]))
         busy += max(0, stop - max(start, end))
@@ -313,8 +318,15 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
         f"{sorted({e[3] for e in events})[:8]}")
     for g in gaps[:15]:
         log(f"  gap {g[0]:8.3f} ms after {g[1]!r} before {g[2]!r}")
-    return dict(wall_ms=wall_ms, span_ms=span_ms / steps, busy_ms=busy / 1e6 / steps, kinds_ms=kinds,
-                gaps=gaps[:40], n_events=len(events))
+    # Per kernel name (every launch in the trace, unlike the CUPTI list): where the busy time goes.
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
+    busy_step = busy / 1e6 / steps
+    log("timeline by kernel name (ms/step, launches/step, share of busy):")
+    for name, (ms, n) in top:
+        log(f"  {ms:8.3f} ms {n / steps:6.0f}x {ms / busy_step:6.1%}  {name}")
+    return dict(wall_ms=wall_ms, span_ms=span_ms / steps, busy_ms=busy_step, kinds_ms=kinds,
+                gaps=gaps[:40], n_events=len(events),
+                by_name=[dict(kernel=k, ms=v[0], launches=v[1] / steps) for k, v in top])
 
 
 def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
@@ -404,6 +416,10 @@ def main(argv=None):
     t = time.time()
     cfg = slice_config(args.layers, tiny_widths=args.tiny)
     params = random_params(cfg)
+    numerics = Numerics.reference()
+    params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
+    if experts_run_kernel(numerics):     # as the engine (LLM) does: kernel-layout expert scales, once
+        params = prepare_expert_scales(params)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
     m = Model(cfg, params, tok, token_map)
@@ -411,7 +427,6 @@ def main(argv=None):
                             roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
                             matmul_macs_per_token=matmul_macs_per_token(cfg, params))
     log(f"slice: {RESULTS['slice']}")
-    numerics = Numerics.reference()
     max_len = max(contexts) + 64
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
@@ -422,7 +437,8 @@ def main(argv=None):
     if "prefill" in want:
         section("prefill", run_prefill, out, m, numerics, prompts, args.chunk)
     if "xla" in want:
-        section("xla-decode", run_decode, out, m, dataclasses.replace(numerics, kernels="xla"),
+        section("xla-decode", run_decode, out, dataclasses.replace(m, params=params_xla),
+                dataclasses.replace(numerics, kernels="xla"),
                 ints(args.xla_batches), contexts[:1], max_len, "xla-only")
     RESULTS["peak_bytes"] = peak_bytes()
     save(out)

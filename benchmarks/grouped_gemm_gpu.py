@@ -25,6 +25,14 @@ without the wgmma overlap, and FP8
 with and without the overlap, at decode 64 and 512 tokens x 6 and prefill 32k x 6; it prints kernel ms,
 weight TB/s and the fraction of copy bandwidth, and whether each variant's output is bitwise the old
 kernel's (it should be: the variants feed wgmma the same bf16 values in the same order).
+
+    PYTHONUNBUFFERED=1 GG_BUDGET_S=280 python3 benchmarks/grouped_gemm_gpu.py --sweep   # ~4-5 min
+
+runs the copy ceiling and a sweep of tile configs (block_m x block_n x block_k x stages) at the
+model's float32 output: FP4 decode at 64 and 512 tokens x 6, FP4 prefill at 32k x 6, FP8 decode; per
+config the kernel time, weight TB/s and fraction of copy bandwidth, TFLOP/s, and whether the output
+is bitwise the first (the model's current) config's. The model's per-phase choice
+(``pallas_kernels.grouped_gemm.config.tuned_config``) is read off this table.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, SMEM_LIMIT_BYTES, WeightFormat, smem_bytes  # noqa: E402
+from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, WeightFormat, fit_stages, tuned_config  # noqa: E402
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
 from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 
@@ -56,7 +64,8 @@ TOKENS = tuple(int(v) for v in os.environ.get("GG_TOKENS", "64,512,8192,32768").
 PROBE_G = 11 % G_EXPERTS
 OUT = Path(os.environ.get("OUT", "/tmp"))
 DEQUANT_AB = "--dequant-ab" in sys.argv[1:]
-BUDGET_S = float(os.environ.get("GG_BUDGET_S", "210" if DEQUANT_AB else "170"))
+SWEEP = "--sweep" in sys.argv[1:]
+BUDGET_S = float(os.environ.get("GG_BUDGET_S", "210" if (DEQUANT_AB or SWEEP) else "170"))
 T0 = time.time()
 RESULTS: dict = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "sections": {}}
 TABLE: list[str] = []
@@ -70,14 +79,16 @@ def save():
     (OUT / "grouped_gemm_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
-_AB_SECTIONS = ("ceilings", "dequant_ab")
+_MODE_SECTIONS = {"--dequant-ab": ("ceilings", "dequant_ab"), "--sweep": ("ceilings", "sweep")}
+_MODE = "--dequant-ab" if DEQUANT_AB else "--sweep" if SWEEP else None
 
 
 def section(name: str, need_s: float):
     def deco(fn):
-        if (name not in _AB_SECTIONS) if DEQUANT_AB else (name == "dequant_ab"):
-            if DEQUANT_AB:
-                RESULTS["sections"][name] = "skipped: --dequant-ab"
+        wanted = name in _MODE_SECTIONS[_MODE] if _MODE else name not in ("dequant_ab", "sweep")
+        if not wanted:
+            if _MODE:
+                RESULTS["sections"][name] = f"skipped: {_MODE}"
             return None
         if left() < need_s:
             RESULTS["sections"][name] = f"skipped: {left():.0f} s left, needs {need_s:.0f}"
@@ -112,28 +123,27 @@ def kernel_times_ms(f, *args, iters: int = 10):
         return (time.perf_counter() - t) / iters * 1e3, None
 
 
-def fit(cfg: GroupedMatmulConfig, fmt: WeightFormat) -> GroupedMatmulConfig:
+def fit(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.bfloat16) -> GroupedMatmulConfig:
     """The same tiles with as many stages (<= cfg.stages) as fit in shared memory."""
-    import dataclasses
-    while smem_bytes(cfg, fmt, jnp.bfloat16) > SMEM_LIMIT_BYTES and cfg.stages > 2:
-        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
-    return cfg
+    return fit_stages(cfg, fmt, out_dtype)
 
 
 INTERPRET = os.environ.get("GG_INTERPRET") == "1"
 
 
 def decode_cfg(fmt):
-    return fit(GroupedMatmulConfig(block_m=32, block_n=128, block_k=128, stages=4, a_from_registers=not INTERPRET), fmt)
+    """The model's config (``tuned_config``) at decode, 64 tokens x top-6."""
+    return tuned_config(64 * TOP_K, G_EXPERTS, N_WIDTH, K_HIDDEN, fmt, jnp.bfloat16,
+                        GroupedMatmulConfig(a_from_registers=not INTERPRET))
 
 
 def prefill_cfg(fmt, variant: str = "a"):
-    bk = 64 if fmt is WeightFormat.BF16 else 128
+    """variant "a": the model's config (``tuned_config``) at prefill, 32k tokens x top-6; "b": 64x256 tiles."""
     if variant == "a":
-        c = GroupedMatmulConfig(block_m=128, block_n=128, block_k=bk, stages=4, a_from_registers=not INTERPRET)
-    else:
-        c = GroupedMatmulConfig(block_m=64, block_n=256, block_k=bk, stages=4, a_from_registers=not INTERPRET)
-    return fit(c, fmt)
+        return tuned_config(32768 * TOP_K, G_EXPERTS, N_WIDTH, K_HIDDEN, fmt, jnp.bfloat16,
+                            GroupedMatmulConfig(a_from_registers=not INTERPRET))
+    bk = 64 if fmt is WeightFormat.BF16 else 128
+    return fit(GroupedMatmulConfig(block_m=64, block_n=256, block_k=bk, stages=4, a_from_registers=not INTERPRET), fmt)
 
 
 # ---- data -------------------------------------------------------------------------------------------
@@ -207,7 +217,7 @@ def _():
     ms, _ = kernel_times_ms(jax.jit(lambda v: v + 1.0), a)
     CEIL["copy_tb_s"] = 2 * a.nbytes / (ms * 1e-3) / 1e12
     del a
-    if DEQUANT_AB:
+    if _MODE:
         TABLE.append(f"copy bandwidth {CEIL['copy_tb_s']:.2f} TB/s")
         return dict(CEIL)
     m = TOKENS[3] * TOP_K
@@ -413,6 +423,26 @@ _AB_VARIANTS = {
 }
 
 
+def timing_record(label: str, fmt, cfg, m: int, active: int, total_ms: float, kern_ms, ceil_copy, ref_name: str,
+                  same, **extra) -> dict:
+    """One timed config: kernel (else op) time, weight TB/s (and its share of copy bandwidth), TFLOP/s,
+    and whether its output is bitwise the reference config's; printed and added to the table."""
+    t = (kern_ms or total_ms) * 1e-3
+    rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms, active_experts=active, **extra,
+               weight_tb_s=wbytes(fmt, active) / t / 1e12, kernel_tflops=2 * m * N_WIDTH * K_HIDDEN / t / 1e12)
+    rec[f"bitwise_equal_{ref_name}"] = same
+    line = (f"{label} kernel {t * 1e3:7.3f} ms (op {total_ms:7.3f}) {rec['kernel_tflops']:6.1f} TF/s | "
+            f"weights {rec['weight_tb_s']:.2f} TB/s")
+    if ceil_copy:
+        rec["copy_fraction"] = rec["weight_tb_s"] / ceil_copy
+        line += f" = {rec['copy_fraction']:.2f} of copy"
+    line += " | reference" if same is None else f" | bits == {ref_name}: {same}"
+    TABLE.append(line)
+    print(line, flush=True)
+    save()
+    return rec
+
+
 @section("dequant_ab", 30)
 def _():
     import dataclasses
@@ -447,21 +477,74 @@ def _():
                     TABLE.append(f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s} ERROR {type(e).__name__}")
                     traceback.print_exc()
                     continue
-                t = (kern_ms or total_ms) * 1e-3
-                rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms, active_experts=active,
-                           weight_tb_s=wbytes(fmt, active) / t / 1e12,
-                           kernel_tflops=2 * m * N_WIDTH * K_HIDDEN / t / 1e12, bitwise_equal_old=same)
-                line = (f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s} kernel {t * 1e3:7.3f} ms "
-                        f"{rec['kernel_tflops']:6.1f} TF/s | weights {rec['weight_tb_s']:.2f} TB/s")
-                if ceil_copy:
-                    rec["copy_fraction"] = rec["weight_tb_s"] / ceil_copy
-                    line += f" = {rec['copy_fraction']:.2f} of copy"
-                line += " | reference" if same is None else f" | bits == old: {same}"
-                out[key] = rec
-                TABLE.append(line)
-                print(line, flush=True)
-                save()
+                out[key] = timing_record(f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s}", fmt, cfg, m,
+                                         active, total_ms, kern_ms, ceil_copy, "old", same)
             del y_old
+    return out
+
+
+def _cfg(bm, bn, bk, stages):
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages, a_from_registers=not INTERPRET)
+
+
+# (format, phase, tokens, configs): the first config of each case is the model's current one, the
+# reference for the bitwise check (rows must not change with the tiles: only speed may).
+_SWEEP_CASES = (
+    (WeightFormat.FP4, "decode", 0, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 128, 8),
+                                    _cfg(16, 128, 256, 8), _cfg(8, 128, 256, 8), _cfg(16, 256, 128, 6),
+                                    _cfg(16, 128, 512, 4))),
+    (WeightFormat.FP4, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 256, 8),
+                                    _cfg(32, 128, 256, 6), _cfg(16, 256, 128, 6))),
+    (WeightFormat.FP4, "prefill", 3, (_cfg(64, 128, 128, 4), _cfg(128, 128, 128, 4), _cfg(128, 128, 64, 6),
+                                     _cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3))),
+    (WeightFormat.FP8, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(16, 128, 256, 6), _cfg(16, 128, 128, 8))),
+)
+
+
+@section("sweep", 30)
+def _():
+    """Tile configs at the model's output dtype (float32): kernel time, weight bandwidth, TFLOP/s."""
+    out = {}
+    ceil_copy = CEIL.get("copy_tb_s")
+    iters = 1 if INTERPRET else 10
+    for fmt, phase, tok_i, cfgs in _SWEEP_CASES:
+        w, s = weights(fmt)
+        tokens = TOKENS[tok_i]
+        m = tokens * TOP_K
+        gid = routing(jax.random.key(tokens), tokens)
+        x = rows(jax.random.key(tokens + 1), m)
+        active = int(jnp.unique(gid).shape[0])
+        y_ref = None
+        for cfg in cfgs:
+            cfg = fit(cfg, fmt, jnp.float32)
+            name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
+            key = f"{fmt.value}/{phase}{tokens}/{name}"
+            if left() < 10:
+                out[key] = "skipped (time)"
+                continue
+            f = lambda x, g, w, s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, out_dtype=jnp.float32, config=cfg)  # noqa: E731
+            t_first = time.time()
+            try:
+                y = jax.block_until_ready(f(x, gid, w, s))
+                first_s = time.time() - t_first
+                same = None if y_ref is None else bool(jnp.array_equal(
+                    jax.lax.bitcast_convert_type(y, jnp.uint32), jax.lax.bitcast_convert_type(y_ref, jnp.uint32)))
+                if y_ref is None:
+                    y_ref = y
+                del y
+                total_ms, kern_ms = kernel_times_ms(f, x, gid, w, s, iters=iters)
+            except Exception as e:  # noqa: BLE001 - one config failing must not end the sweep
+                out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                TABLE.append(f"sweep {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:14s} ERROR {type(e).__name__}")
+                traceback.print_exc()
+                continue
+            out[key] = timing_record(f"sweep {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:14s}", fmt, cfg, m,
+                                     active, total_ms, kern_ms, ceil_copy, "first", same, first_call_s=first_s)
+        del y_ref
+        if phase == "prefill" and left() > 15 and not INTERPRET:
+            dense = dense_tflops(m)
+            out[f"dense_bf16_tflops/{tokens}"] = dense
+            TABLE.append(f"sweep dense bf16 matmul of the same FLOPs ({m}x{K_HIDDEN}x{N_WIDTH}): {dense:.0f} TF/s")
     return out
 
 

@@ -312,6 +312,9 @@ def _block_leaf_axes(rel: str) -> tuple[str, ...] | None:
     head, _, leaf = rel.rpartition(".")
     if leaf in ("weight", "scale") and head in _LINEAR_AXES:
         return _LINEAR_AXES[head]
+    if leaf == "scale_kn" and len(_LINEAR_AXES.get(head, ())) == 3:     # kernel-layout expert scales [G, K/32, N]
+        g_axis, n_axis, k_axis = _LINEAR_AXES[head]
+        return (g_axis, k_axis, n_axis)
     return None
 
 

@@ -423,3 +423,63 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
         lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
             lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---- tuned tile configs and kernel-layout scales ------------------------------------------------------
+
+def test_tuned_config_fits_the_v41_expert_shapes_and_depends_on_shapes_only():
+    from pallas_kernels.grouped_gemm.config import tuned_config
+
+    for fmt in ALL_FORMATS:
+        for m in (6, 64 * 6, 512 * 6, 4096 * 6, 32768 * 6):
+            for n, k in ((2304, 5120), (5120, 2304)):       # w1/w3 and w2 of V4.1-Flash
+                cfg = tuned_config(m, 384, n, k, fmt)
+                assert kernel_unsupported_reason(n, k, fmt, cfg, jnp.float32) is None, (fmt, m, n, k, cfg)
+                assert cfg == tuned_config(m, 384, n, k, fmt)
+    # decode pads each expert's one or two rows to 16, not 64; prefill gets full 128-row tiles
+    assert tuned_config(64 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 16
+    assert tuned_config(32768 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 128
+    # nothing fits a 64-wide N: the base config comes back (and the kernel route reports why)
+    base = GroupedMatmulConfig(xla_block_m=5)
+    assert tuned_config(6, 8, 64, 128, WeightFormat.FP4, base=base) is base
+
+
+@pytest.mark.parametrize("fmt,n", [(WeightFormat.FP4, 128), (WeightFormat.FP8, 128), (WeightFormat.FP8, 80)],
+                         ids=["fp4", "fp8", "fp8-ragged-n"])
+def test_kernel_scales_round_trip(fmt, n):
+    from pallas_kernels.grouped_gemm.scales import checkpoint_scales, kernel_scales
+
+    rng = np.random.default_rng(11)
+    k = 96
+    shape = (3, n, k // 32) if fmt is WeightFormat.FP4 else (3, -(-n // 32), k // 32)
+    s = rng.integers(0, 256, shape).astype(np.uint8)
+    s_kn = np.asarray(kernel_scales(jnp.asarray(s), fmt, n))
+    assert s_kn.shape == (3, k // 32, n)
+    rows = np.arange(n) if fmt is WeightFormat.FP4 else np.arange(n) // 32     # the scale row of weight row r
+    assert np.array_equal(s_kn, np.swapaxes(s[:, rows], 1, 2))
+    back = checkpoint_scales(jnp.asarray(s_kn), fmt)
+    assert back.dtype == jnp.float8_e8m0fnu                         # the checkpoint's dtype
+    assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(back, jnp.uint8)), s)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8], ids=lambda f: f.value)
+def test_prepared_scales_give_the_same_bits_on_xla_and_in_gpu_interpreter(fmt):
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+
+    rng = np.random.default_rng(12)
+    g, n, k, m = 3, 128, 128, 9
+    w, s = _weights(rng, fmt, g, n, k)
+    s_kn = kernel_scales(s, fmt, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray([2, 0, 1, 2, -1, 0, 2, 1, 1], jnp.int32)
+    plain = grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl="xla")
+    prepared = grouped_matmul(x, w, gid, s_kn, out_dtype=jnp.float32, impl="xla", scales_prepared=True)
+    assert np.array_equal(_bits(prepared), _bits(plain))
+    with _interpret():
+        k_plain = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_TINY_CFG)
+        k_prep = grouped_matmul_pallas(x, w, gid, s_kn, out_dtype=jnp.float32, config=_TINY_CFG,
+                                       scales_prepared=True)
+    assert np.array_equal(_bits(k_prep), _bits(k_plain))
+    with pytest.raises(ValueError, match=r"\[G, K/32, N\]"):
+        grouped_matmul(x, w, gid, s, impl="xla", scales_prepared=True)       # checkpoint layout, wrong flag

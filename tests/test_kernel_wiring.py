@@ -230,3 +230,30 @@ def test_tiny_model_forward_through_the_ops_path_equals_the_model_path_fp32(tiny
     got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, _mode("ops", exact))
     for i, pr in enumerate(prompts):
         np.testing.assert_allclose(got[i, :len(pr)], want[i, :len(pr)], atol=EXACT_ATOL, rtol=0)
+
+
+def test_prepared_expert_scales_change_no_bits(tiny_params, tiny_cfg, tiny_token_map):
+    """prepare_expert_scales (the engine does it once on Hopper) moves every routed expert's scales to the
+    kernel layout; the paths that read the checkpoint layout convert back, so the logits keep their bits."""
+    from deepinfer_jax.model.moe import prepare_expert_scales
+    from deepinfer_jax.sharding import logical_axes, tree_paths
+    from test_model_consistency import _prompts, run_chunks
+
+    prepared = prepare_expert_scales(tiny_params)
+    moved = [p for p, _ in tree_paths(prepared) if p[-1] == "scale_kn"]
+    left = [p for p, _ in tree_paths(prepared) if "experts" in p and p[-1] == "scale"]
+    assert moved and not left
+    for path, leaf in tree_paths(prepared):
+        if path[-1] == "scale_kn":
+            w = prepared
+            for part in path[:-1]:
+                w = w[part]
+            w = w["weight"]
+            assert leaf.shape == (w.shape[0], w.shape[2] * 2 // 32, w.shape[1])    # packed FP4 [G, N, K/2]
+            assert len(logical_axes(path, tiny_cfg)) == 3
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    for mode in ("auto", "ops"):       # the gather path and the grouped op's XLA fallback
+        nq = _mode(mode)
+        want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, nq)
+        got = run_chunks(prepared, tiny_cfg, tiny_token_map, prompts, 7, nq)
+        assert np.array_equal(got, want), mode

@@ -53,9 +53,10 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
     wdt = jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16
 
     def deq(name):
-        if "scale" not in p_exp[name]:  # unquantized experts (tests, converted checkpoints)
-            return p_exp[name]["weight"][ids_mk].astype(wdt)
-        return dequant_fp4(p_exp[name]["weight"][ids_mk], p_exp[name]["scale"][ids_mk]).astype(wdt)
+        w, s = _expert_weights(p_exp[name])
+        if s is None:  # unquantized experts (tests, converted checkpoints)
+            return w[ids_mk].astype(wdt)
+        return dequant_fp4(w[ids_mk], s[ids_mk]).astype(wdt)
 
     xq = act_quant(x_md, numerics, act_block).astype(wdt)
     g = jnp.einsum("md,mkid->mki", xq, deq("w1"), precision=numerics.precision, preferred_element_type=jnp.float32)
@@ -67,27 +68,106 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
 
 
 def _expert_weights(p_lin: dict) -> tuple[jax.Array, jax.Array | None]:
-    """A stacked expert linear in a ``grouped_matmul`` format (packed FP4 / FP8 + E8M0, or bf16)."""
+    """A stacked expert linear as the checkpoint lays it out (packed FP4 / FP8 + E8M0, or bf16); kernel-
+    layout scales (``prepare_expert_scales``) are converted back, for the paths other than the kernel."""
+    if "scale_kn" in p_lin:
+        from pallas_kernels.grouped_gemm.scales import check_prepared, checkpoint_scales
+
+        return p_lin["weight"], checkpoint_scales(p_lin["scale_kn"], check_prepared(p_lin["weight"], p_lin["scale_kn"]))
     return p_lin["weight"], p_lin.get("scale")
 
 
-def _grouped_unsupported(p_exp: dict, numerics: Numerics) -> tuple[str | None, str | None]:
+def prepare_expert_scales(params: dict) -> dict:
+    """params with every routed-expert linear's E8M0 ``scale`` replaced by ``scale_kn``, the Pallas
+    grouped GEMM's layout uint8 [G, K/32, N] (``pallas_kernels.grouped_gemm.scales``).
+
+    For the engine on Hopper GPUs, once after loading: the kernel then reads the scales as stored
+    instead of transposing them every step. Same bytes for FP4 (1/16 of the packed weights); FP8's
+    32x32 block scales become per-row (32x more scale bytes, 1/32 of the FP8 weights). Other paths read
+    ``scale_kn`` too (converted back per call), so prepared params still run anywhere. The input's
+    expert scale buffers are not reused: call it on params you then drop."""
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+    from pallas_kernels.grouped_gemm.config import weight_format
+
+    convert = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
+
+    def linear(p_lin: dict) -> dict:
+        if "scale" not in p_lin:
+            return p_lin
+        fmt = weight_format(p_lin["weight"], p_lin["scale"])
+        out = {k: v for k, v in p_lin.items() if k != "scale"}
+        out["scale_kn"] = convert(p_lin["scale"], fmt=fmt, n=p_lin["weight"].shape[1])
+        return out
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "experts" in node and isinstance(node["experts"], dict):
+                node = dict(node, experts={k: linear(v) if k in ("w1", "w2", "w3") else v
+                                           for k, v in node["experts"].items()})
+            return {k: (v if k == "experts" else walk(v)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+
+    return walk(params)
+
+
+def experts_run_kernel(numerics: Numerics) -> bool:
+    """Whether the routed experts will run on the Pallas grouped GEMM here (the engine then calls
+    ``prepare_expert_scales`` once). Platform and mode only; shapes the kernel cannot take fall back
+    at trace time and read the prepared scales converted back."""
+    from pallas_kernels import registry
+
+    if numerics.dtype != jnp.bfloat16 or numerics.kernel_mode("experts") in ("xla", "interpret"):
+        return False
+    return registry.resolve("grouped_matmul").name == registry.PALLAS_MOSAIC_GPU
+
+
+def _kernel_weights(p_lin: dict) -> tuple[jax.Array, jax.Array | None, bool]:
+    """(w, scale, scale is in the kernel layout) for ``grouped_matmul``."""
+    if "scale_kn" in p_lin:
+        return p_lin["weight"], p_lin["scale_kn"], True
+    w, s = _expert_weights(p_lin)
+    return w, s, False
+
+
+def _expert_format(p_lin: dict):
+    """The ``WeightFormat`` of a stacked expert linear (a ValueError naming what is wrong)."""
+    from pallas_kernels.grouped_gemm.config import weight_format
+    from pallas_kernels.grouped_gemm.scales import check_prepared
+
+    if "scale_kn" in p_lin:
+        return check_prepared(p_lin["weight"], p_lin["scale_kn"])
+    return weight_format(p_lin["weight"], p_lin.get("scale"))
+
+
+def _tile_config(p_lin: dict, m_rows: int):
+    """The kernel tile config for these weights at M rows (``tuned_config``: static in the shapes)."""
+    from pallas_kernels.grouped_gemm.config import tuned_config
+
+    w = p_lin["weight"]
+    fmt = _expert_format(p_lin)
+    k = w.shape[2] * (2 if fmt.value == "fp4" else 1)
+    return tuned_config(m_rows, w.shape[0], w.shape[1], k, fmt, jnp.float32)
+
+
+def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[str | None, str | None]:
     """(why the grouped_matmul op cannot take these inputs at all, why the Pallas kernel cannot run them)."""
-    from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, kernel_unsupported_reason, weight_format
+    from pallas_kernels.grouped_gemm.config import kernel_unsupported_reason
 
     if numerics.dtype != jnp.bfloat16:
         return f"grouped_matmul takes bf16 activations, not {numerics.dtype}", None
     fmts = {}
     for name in ("w1", "w3", "w2"):
-        w, s = _expert_weights(p_exp[name])
         try:
-            fmts[name] = weight_format(w, s)
+            fmts[name] = _expert_format(p_exp[name])
         except ValueError as e:
             return f"expert weights {name}: {e}", None
     for name in ("w1", "w3", "w2"):
         w = p_exp[name]["weight"]
         k = w.shape[2] * (2 if fmts[name].value == "fp4" else 1)
-        if (why := kernel_unsupported_reason(w.shape[1], k, fmts[name], GroupedMatmulConfig(), jnp.float32)):
+        cfg = _tile_config(p_exp[name], m_rows)
+        if (why := kernel_unsupported_reason(w.shape[1], k, fmts[name], cfg, jnp.float32)):
             return None, f"expert weights {name} {tuple(w.shape)}: {why}"
     return None, None
 
@@ -107,7 +187,7 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     gid = ids_mk.reshape(m * k).astype(jnp.int32)
 
     def mm(x, name):
-        w, s = _expert_weights(p_exp[name])
+        w, s, prepared = _kernel_weights(p_exp[name])
         if impl == "interpret":
             from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
             from pallas_kernels.interpret import gpu_interpreter
@@ -116,9 +196,10 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
             # small tiles keep the interpreter fast (same 16-wide K order, so the same row results).
             cfg = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
             with gpu_interpreter():
-                return grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg)
-        return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl,
-                              selection=_auto_selection())
+                return grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg,
+                                             scales_prepared=prepared)
+        return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl, selection=_auto_selection(),
+                              config=_tile_config(p_exp[name], x.shape[0]), scales_prepared=prepared)
 
     xq = act_quant(x_md, numerics, act_block)
     x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
@@ -141,7 +222,7 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
                    numerics: Numerics, act_block: int) -> jax.Array:
     """The routed experts on the implementation ``numerics.kernels`` picks (numerics.py): the gather
     path, or the grouped GEMM (Pallas kernel on Hopper, its tiled XLA fallback elsewhere)."""
-    op_why, kernel_why = _grouped_unsupported(p_exp, numerics)
+    op_why, kernel_why = _grouped_unsupported(p_exp, numerics, ids_mk.size)
     if op_why is not None:
         if numerics.kernel_mode("experts") in ("pallas", "interpret"):
             from pallas_kernels.registry import KernelUnavailableError

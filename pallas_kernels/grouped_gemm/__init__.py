@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from pallas_kernels import registry
 from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, WeightFormat, check_inputs
 from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference
+from pallas_kernels.grouped_gemm.scales import check_prepared, checkpoint_scales, kernel_scales
 from pallas_kernels.grouped_gemm.xla import grouped_matmul_xla
 
-__all__ = ["GroupedMatmulConfig", "WeightFormat", "check_inputs", "grouped_matmul", "grouped_matmul_pallas",
-           "grouped_matmul_reference", "grouped_matmul_xla"]
+__all__ = ["GroupedMatmulConfig", "WeightFormat", "check_inputs", "checkpoint_scales", "grouped_matmul",
+           "grouped_matmul_pallas", "grouped_matmul_reference", "grouped_matmul_xla", "kernel_scales"]
 
 
 def grouped_matmul_pallas(*args, **kwargs):
@@ -53,16 +54,27 @@ def grouped_matmul_pallas(*args, **kwargs):
 def grouped_matmul(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array, w_scale: jax.Array | None = None, *,
                    out_dtype=jnp.bfloat16, impl: str | None = None,
                    selection: registry.KernelSelection | None = None,
-                   config: GroupedMatmulConfig = GroupedMatmulConfig()) -> jax.Array:
+                   config: GroupedMatmulConfig = GroupedMatmulConfig(), scales_prepared: bool = False) -> jax.Array:
     """The op (see module docstring), on the implementation the registry picks for x's platform.
 
     impl: force ``"pallas_mosaic_gpu"``, ``"xla"`` or ``"reference"`` (an error if it cannot run here).
     selection: a ``registry.KernelSelection``; None reads ``DEEPINFER_KERNELS`` (at trace time).
-    config: the tile config; keep it fixed across calls, it is part of the numerics."""
-    check_inputs(x_mk, w, group_ids_m, w_scale)
+    config: the tile config. Every config gives the same row bits on the kernel (measured), so it is a
+        speed choice (``config.tuned_config``); the XLA fallback's ``xla_block_m`` is fixed by default.
+    scales_prepared: w_scale is in the kernel's layout uint8 [G, K/32, N] (``scales.kernel_scales``,
+        done once at weight-load time); implementations other than the kernel convert it back."""
     if selection is None:
         selection = registry.KernelSelection.from_env()
     chosen = registry.resolve("grouped_matmul", impl=impl, selection=selection, device=registry.device_of(x_mk))
+    if scales_prepared:
+        if w_scale is None:
+            raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
+        fmt = check_prepared(w, w_scale)
+        if chosen.name == registry.PALLAS_MOSAIC_GPU:
+            return chosen.load()(x_mk, w, group_ids_m, w_scale, out_dtype=out_dtype, config=config,
+                                 scales_prepared=True)
+        w_scale = checkpoint_scales(w_scale, fmt)
+    check_inputs(x_mk, w, group_ids_m, w_scale)
     if chosen.name == registry.REFERENCE:
         return grouped_matmul_reference(x_mk, w, group_ids_m, w_scale, out_dtype=out_dtype)
     return chosen.load()(x_mk, w, group_ids_m, w_scale, out_dtype=out_dtype, config=config)
