@@ -487,18 +487,33 @@ def _cfg(bm, bn, bk, stages):
     return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=stages, a_from_registers=not INTERPRET)
 
 
-# (format, phase, tokens, configs): the first config of each case is the model's current one, the
-# reference for the bitwise check (rows must not change with the tiles: only speed may).
-_SWEEP_CASES = (
-    (WeightFormat.FP4, "decode", 0, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 128, 8),
-                                    _cfg(16, 128, 256, 8), _cfg(8, 128, 256, 8), _cfg(16, 256, 128, 6),
-                                    _cfg(16, 128, 512, 4))),
-    (WeightFormat.FP4, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 256, 8),
-                                    _cfg(32, 128, 256, 6), _cfg(16, 256, 128, 6))),
-    (WeightFormat.FP4, "prefill", 3, (_cfg(64, 128, 128, 4), _cfg(128, 128, 128, 4), _cfg(128, 128, 64, 6),
-                                     _cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3))),
-    (WeightFormat.FP8, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(16, 128, 256, 6), _cfg(16, 128, 128, 8))),
-)
+# (format, phase, tokens index, configs): the first config of each case is the reference for the bitwise
+# check (rows must not change with the tiles: only speed may). Round 1 (2026-12-03) compared the old
+# default 64x128x128x4 with smaller / wider tiles (results/grouped_gemm_sweep_2026-12-03.json); round 2
+# starts from round 1's winners (the model's tuned_config) and tries deeper weight pipelines for FP4 decode.
+_SWEEP_ROUNDS = {
+    "1": (
+        (WeightFormat.FP4, "decode", 0, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 128, 8),
+                                        _cfg(16, 128, 256, 8), _cfg(8, 128, 256, 8), _cfg(16, 256, 128, 6),
+                                        _cfg(16, 128, 512, 4))),
+        (WeightFormat.FP4, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 256, 8),
+                                        _cfg(32, 128, 256, 6), _cfg(16, 256, 128, 6))),
+        (WeightFormat.FP4, "prefill", 3, (_cfg(64, 128, 128, 4), _cfg(128, 128, 128, 4), _cfg(128, 128, 64, 6),
+                                         _cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3))),
+        (WeightFormat.FP8, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(16, 128, 256, 6), _cfg(16, 128, 128, 8))),
+    ),
+    "2": (
+        (WeightFormat.FP4, "decode", 0, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
+                                        _cfg(16, 256, 128, 10), _cfg(16, 256, 64, 12), _cfg(16, 256, 128, 4),
+                                        _cfg(16, 128, 128, 6), _cfg(8, 256, 128, 8))),
+        (WeightFormat.FP4, "decode", 1, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
+                                        _cfg(16, 256, 128, 10), _cfg(32, 256, 128, 6))),
+        (WeightFormat.FP4, "mid", 2, (_cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3), _cfg(64, 256, 64, 6),
+                                     _cfg(32, 256, 128, 6))),
+        (WeightFormat.FP8, "decode", 1, (_cfg(16, 128, 256, 5), _cfg(16, 256, 128, 6), _cfg(16, 128, 128, 10))),
+    ),
+}
+SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "2")
 
 
 @section("sweep", 30)
@@ -507,7 +522,7 @@ def _():
     out = {}
     ceil_copy = CEIL.get("copy_tb_s")
     iters = 1 if INTERPRET else 10
-    for fmt, phase, tok_i, cfgs in _SWEEP_CASES:
+    for fmt, phase, tok_i, cfgs in _SWEEP_ROUNDS[SWEEP_ROUND]:
         w, s = weights(fmt)
         tokens = TOKENS[tok_i]
         m = tokens * TOP_K
@@ -541,7 +556,7 @@ def _():
             out[key] = timing_record(f"sweep {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:14s}", fmt, cfg, m,
                                      active, total_ms, kern_ms, ceil_copy, "first", same, first_call_s=first_s)
         del y_ref
-        if phase == "prefill" and left() > 15 and not INTERPRET:
+        if phase != "decode" and left() > 15 and not INTERPRET:
             dense = dense_tflops(m)
             out[f"dense_bf16_tflops/{tokens}"] = dense
             TABLE.append(f"sweep dense bf16 matmul of the same FLOPs ({m}x{K_HIDDEN}x{N_WIDTH}): {dense:.0f} TF/s")
