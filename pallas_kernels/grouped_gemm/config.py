@@ -163,23 +163,28 @@ def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> Groupe
 
 
 # Tile configs by phase, best first, from `benchmarks/grouped_gemm_gpu.py --sweep` on the H200
-# (2026-12-03, float32 out, hidden 5120 x width 2304, 384 experts; benchmarks/results/
-# grouped_gemm_sweep_2026-12-03.json). Every config gave bitwise the same rows, so this choice is
+# (2026-12-03, float32 out, hidden 5120 x width 2304, 384 experts; rounds 1 and 2 in benchmarks/results/
+# grouped_gemm_sweep*_2026-12-03.json). Every config gave bitwise the same rows, so this choice is
 # speed only; it is still a static function of the step shape, never of the routing.
-#   decode (~1-8 rows per expert): FP4 64x6 tokens 1.31 ms at 64x128x128x4 -> 0.94 ms at 16x256x128x6,
-#     512x6 2.00 -> 1.45 ms; FP8 512x6 2.52 -> 1.68 ms at 16x128x256x5 (0.65 of copy bandwidth).
-#     Small block_m wastes fewer padded rows per expert; the FP4 weight tile is small, so a wider
-#     block_n keeps more weight bytes in flight per CTA.
-#   prefill (~512 rows per expert): FP4 32k x 6 315 -> 474 TFLOP/s at 128x256x64x3.
+#   decode (~1-8 rows per expert): FP4 64x6 tokens 1.31 ms at the old 64x128x128x4 -> 0.83 ms at
+#     16x256x128x8, 512x6 2.00 -> 1.30 ms; FP8 512x6 2.52 -> 1.55 ms at 16x256x128x5 (0.70 of copy
+#     bandwidth). Small block_m wastes fewer padded rows per expert; a 256-row weight tile and 8 stages
+#     keep more FP4 bytes in flight per CTA.
+#   prefill: FP4 32k x 6 315 -> 474 TFLOP/s at 128x256x64x3; 8k x 6 (128 rows per expert) 312 at
+#     64x256x128x4 -> 343 at 128x256x64x3.
 _DECODE_CANDIDATES = {
-    WeightFormat.FP4: ((16, 256, 128, 6), (16, 128, 128, 8)),
-    WeightFormat.FP8: ((16, 128, 256, 5), (16, 128, 128, 8)),
-    WeightFormat.BF16: ((16, 128, 256, 5), (16, 128, 128, 8)),
+    WeightFormat.FP4: ((16, 256, 128, 8), (16, 128, 128, 8)),
+    WeightFormat.FP8: ((16, 256, 128, 5), (16, 128, 256, 5)),
+    WeightFormat.BF16: ((32, 128, 128, 4), (64, 128, 128, 4)),   # not swept: the earlier 81 %-of-copy tiles
 }
-_MID_CANDIDATES = ((64, 256, 128, 4), (64, 128, 128, 4))
-_PREFILL_CANDIDATES = ((128, 256, 64, 3), (128, 128, 64, 6), (64, 128, 128, 4))
+# FP8 and bf16 prefill were not swept: their first candidates are the tiles of the earlier measured
+# table (pallas_kernels/README.md: 369 / 368 TFLOP/s at 32k x 6).
+_PREFILL_CANDIDATES = {
+    WeightFormat.FP4: ((128, 256, 64, 3), (128, 128, 64, 6), (64, 256, 128, 4), (64, 128, 128, 4)),
+    WeightFormat.FP8: ((128, 128, 128, 4), (64, 128, 128, 4)),
+    WeightFormat.BF16: ((128, 128, 64, 4), (64, 128, 128, 4)),
+}
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
-PREFILL_ROWS_PER_GROUP = 192  # from here a 128-row tile is mostly full
 
 
 def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat, out_dtype=jnp.float32,
@@ -190,12 +195,7 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
     to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
     Fields other than the tile shape (dequant mode, XLA tile) are taken from ``base``."""
     rows = m_rows / max(num_groups, 1)
-    if rows < DECODE_ROWS_PER_GROUP:
-        cands = _DECODE_CANDIDATES[fmt]
-    elif rows < PREFILL_ROWS_PER_GROUP:
-        cands = _MID_CANDIDATES
-    else:
-        cands = _PREFILL_CANDIDATES
+    cands = (_DECODE_CANDIDATES if rows < DECODE_ROWS_PER_GROUP else _PREFILL_CANDIDATES)[fmt]
     for bm, bn, bk, st in cands:
         cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st), fmt, out_dtype)
         if kernel_unsupported_reason(n, k, fmt, cfg, out_dtype) is None:
