@@ -355,6 +355,32 @@ def test_multidev_tensor_parallel_within_tolerance(mesh, mesh_model, single_devi
 
 
 @multidev
+def test_multidev_prepared_expert_scales_keep_the_mesh_layout(mesh_model, single_device_runs):
+    """prepare_expert_scales on placed params: each scale_kn is laid out as its logical axes say (experts
+    still split over the mesh), and the sharded step on them is bitwise the one-device step."""
+    from jax.sharding import NamedSharding
+
+    from deepinfer_jax.model.moe import prepare_expert_scales
+    from deepinfer_jax.parallel import ParallelContext, sharded_step
+    from deepinfer_jax.sharding import place_tree, tree_shardings
+
+    cfg, params, (tokens, pos, rows) = mesh_model
+    mesh, num = make_mesh("data=2,expert=4"), Numerics.reference()
+    prepared = prepare_expert_scales(place_tree(params, cfg, mesh))
+    want = jax.tree.leaves(tree_shardings(prepared, mesh, cfg=cfg), is_leaf=lambda x: isinstance(x, NamedSharding))
+    moved = 0
+    for (path, leaf), sh in zip(tree_paths(prepared), want):
+        if path[-1] == "scale_kn":
+            assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), f"{path}: {leaf.sharding} vs {sh}"
+            assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 4      # experts split over 4
+            moved += 1
+    assert moved
+    cache = place_tree(jax.tree.map(np.asarray, init_cache(cfg, SLOTS, MAX_LEN, num)), cfg, mesh)
+    logits, _ = sharded_step(ParallelContext(mesh), cfg, num, prepared, cache)(prepared, cache, tokens, pos, rows)
+    assert np.array_equal(_bits(logits), _bits(single_device_runs[num][0]))
+
+
+@multidev
 def test_multidev_meshes_that_cannot_split_are_refused(tiny_cfg):
     from deepinfer_jax.parallel import ParallelContext, sharded_step
 

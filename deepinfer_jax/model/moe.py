@@ -96,7 +96,13 @@ def prepare_expert_scales(params: dict) -> dict:
             return p_lin
         fmt = weight_format(p_lin["weight"], p_lin["scale"])
         out = {k: v for k, v in p_lin.items() if k != "scale"}
-        out["scale_kn"] = convert(p_lin["scale"], fmt=fmt, n=p_lin["weight"].shape[1])
+        s_kn = convert(p_lin["scale"], fmt=fmt, n=p_lin["weight"].shape[1])
+        sharding = getattr(p_lin["scale"], "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):    # keep the mesh layout, axes 1 and 2 swapped
+            spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
+            s_kn = jax.device_put(s_kn, jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[2], spec[1])))
+        out["scale_kn"] = s_kn
         return out
 
     def walk(node):
