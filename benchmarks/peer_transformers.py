@@ -33,7 +33,9 @@ The two sides:
 Sections, in this order (torch first, so its memory is handed back before jax grows its pool):
 * check: prefill logits of a short prompt (``--check-len``) on both sides: max abs / relative error
   per position and top-1 agreement (tolerances at ``CHECK_*``). Also the last-position logits of the
-  long prefill and the first decode step, reported, not gated.
+  long prefill and the first decode step, reported, not gated. When the XLA-only path runs (``--xla-batches``),
+  it also runs the check prompt in chunks of ``--check-chunk`` tokens, and two diagnostics are reported:
+  our XLA-only path vs transformers, and our kernel path vs our XLA-only path (which side a disagreement is on).
 * prefill: one prompt of ``--context`` tokens, median of ``--reps`` after a first call (compile /
   warm-up, reported separately).
 * decode: the long prompt's cache copied into each of B rows, then ``--steps`` steps at B in
@@ -98,6 +100,7 @@ SIZES = {
     "reps": (3, 1, "timed prefill runs (median)"),
     "chunk": (1024, 64, "our prefill chunk (1024: the e2e benchmark's)"),
     "check_len": (300, 150, "tokens of the agreement prompt"),
+    "check_chunk": (20, 30, "chunk of the XLA-only path's run over the agreement prompt (its gathered experts)"),
 }
 
 
@@ -423,6 +426,25 @@ class Ours:
         return logits, cache
 
 
+    def all_logits(self, prompt: list[int], chunk: int):
+        """-> every position's logits [T, V] of the prompt, run in chunks of ``chunk`` tokens (the last one
+        padded with position -1 rows), for paths that cannot take the whole prompt in one call."""
+        import jax.numpy as jnp
+
+        cache = self.cache(1, len(prompt) + chunk)
+        toks, out = np.asarray(prompt, np.int32), []
+        for s in range(0, len(toks), chunk):
+            part = toks[s:s + chunk]
+            pos = np.arange(s, s + len(part), dtype=np.int32)
+            n = len(part)
+            if n < chunk:
+                part = np.concatenate([part, np.zeros(chunk - n, np.int32)])
+                pos = np.concatenate([pos, np.full(chunk - n, -1, np.int32)])
+            logits, cache = self.step(self.params, cache, jnp.asarray(part[None]), jnp.asarray(pos[None]))
+            out.append(np.asarray(logits[0, :n]))
+        return np.concatenate(out)
+
+
 def jax_peak_bytes() -> int | None:
     import jax
 
@@ -463,6 +485,10 @@ def ours_side(cfg, params, plan: dict, arrays: dict, label: str, numerics, batch
                               first_call_s=first_s, runs_ms=runs)
         log(f"[{label}] prefill {n} tok (chunks of {plan['chunk']}): {ms:.1f} ms ({n / (ms * 1e-3):.0f} tok/s; "
             f"first call {first_s:.1f} s)")
+    elif plan.get("check_chunk"):  # the XLA-only path: the agreement prompt in small chunks (diagnostic)
+        t = time.time()
+        arrays["check_logits"] = ours.all_logits(plan["check_prompt"], plan["check_chunk"])
+        res["check_s"] = time.time() - t
     res["decode"] = []
     for b in batches:
         try:
@@ -568,7 +594,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_dict(root, source=f"v4flash-slice-{args.layers}")
     rng = np.random.default_rng(args.seed)
     plan = dict(config=root, dtype=args.dtype, torch_experts=args.torch_experts, batches=ints(args.batches),
-                steps=args.steps, reps=args.reps, chunk=args.chunk, context=args.context,
+                steps=args.steps, reps=args.reps, chunk=args.chunk, context=args.context, check_chunk=args.check_chunk,
                 check_prompt=rng.integers(3, cfg.vocab_size, args.check_len).tolist(),
                 prompt=rng.integers(3, cfg.vocab_size, args.context).tolist(),
                 next_token=int(rng.integers(3, cfg.vocab_size)))
@@ -642,9 +668,10 @@ def main(argv=None) -> int:
     phases["ours"] = time.time() - t
     save()
     t = time.time()
+    xla_arrays: dict = {}
     if base is not None and ints(args.xla_batches):
         try:
-            results["ours_xla"], _ = ours_side(cfg, params, plan, {}, "ours-xla",
+            results["ours_xla"], _ = ours_side(cfg, params, plan, xla_arrays, "ours-xla",
                                                Numerics(dt, fake_quant=False, kv_quant=False, kernels="xla"),
                                                ints(args.xla_batches), base=base)
         except Exception as e:  # noqa: BLE001
@@ -659,6 +686,15 @@ def main(argv=None) -> int:
         if key in ours_arrays and key in torch_arrays:
             o, r = np.atleast_2d(ours_arrays[key]), np.atleast_2d(torch_arrays[key])
             check[key] = agreement(o, r, dt)
+    # Diagnostics, reported and not gated: whether a disagreement is between implementations of the same
+    # numbers (our XLA-only path vs theirs) or between our two paths (kernels vs XLA-only).
+    if "check_logits" in xla_arrays:
+        if "check_logits" in torch_arrays:
+            check["check_logits_xla_vs_transformers"] = agreement(xla_arrays["check_logits"],
+                                                                  torch_arrays["check_logits"], dt)
+        if "check_logits" in ours_arrays:
+            check["check_logits_kernels_vs_xla"] = agreement(ours_arrays["check_logits"],
+                                                             xla_arrays["check_logits"], dt)
     results["check"] = check
     phases["total"] = time.time() - t_run
     save()
