@@ -3,6 +3,8 @@ and a request's logits do not depend on its slot or its neighbours (bitwise, wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -95,3 +97,14 @@ def test_slot_and_neighbour_invariance_bitwise(tiny_params, tiny_cfg, tiny_token
     alone = run_chunks(tiny_params, tiny_cfg, tiny_token_map, [target], 4, num, batch=4)[0]
     mixed = run_chunks(tiny_params, tiny_cfg, tiny_token_map, [others[0], others[1], target, others[2]], 4, num)[2]
     assert np.array_equal(alone[:11].view(np.uint32), mixed[:11].view(np.uint32))
+
+
+def test_unrolled_sinkhorn_is_the_same_model(tiny_params, tiny_cfg, tiny_token_map):
+    """Numerics.sinkhorn_unroll (no while loop on the GPU) computes the same rounds: fp32 logits within
+    the fp32 path tolerance of the loop version (it may fuse differently, so not bitwise)."""
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=3)
+    exact = Numerics.exact()
+    want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, exact)
+    got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7,
+                     dataclasses.replace(exact, sinkhorn_unroll=True))
+    np.testing.assert_allclose(got, want, atol=EXACT_ATOL, rtol=0)

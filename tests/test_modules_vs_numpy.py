@@ -53,15 +53,22 @@ def test_rope(ratio):
     close(back, x[:5], 1e-5)
 
 
-def test_mhc_mixes_and_apply():
+@pytest.mark.parametrize("unroll", [False, True], ids=["loop", "unrolled"])
+def test_mhc_mixes_and_apply(unroll):
+    import jax
+
     r = rng(1)
     x = r.standard_normal((2, 3, 4, 16))
     fn = r.standard_normal((24, 64)) / 8
     base, scale = r.standard_normal(24), r.standard_normal(3)
-    pre, post, comb = mhc.mixes(jnp.asarray(x, jnp.float32), jnp.asarray(fn, jnp.float32), jnp.asarray(base, jnp.float32),
-                                jnp.asarray(scale, jnp.float32), norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
+    args = [jnp.asarray(a, jnp.float32) for a in (x, fn, base, scale)]
+    kw = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20, unroll=unroll)
+    pre, post, comb = mhc.mixes(*args, **kw)
     rp, rq, rc = ref.mhc_mixes(x, fn, base, scale, 1e-20, 1e-6, 20)
     close(pre, rp), close(post, rq), close(comb, rc)
+    # the point of unrolling: no while loop left in the program (a GPU syncs with the host per iteration)
+    hlo = jax.jit(lambda *a: mhc.mixes(*a, **kw)).lower(*args).as_text()
+    assert ("while" in hlo) != unroll
     y = r.standard_normal((2, 3, 16))
     close(mhc.pre_apply(jnp.asarray(x, jnp.float32), pre, jnp.float32), ref.pre_apply(x, rp))
     close(mhc.post_apply(jnp.asarray(y, jnp.float32), jnp.asarray(x, jnp.float32), post, comb, jnp.float32),

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 
 
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
-          hc_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns)."""
+          hc_eps: float, sinkhorn_iters: int, unroll: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
+
+    unroll: the Sinkhorn rounds unrolled (no while loop; ``Numerics.sinkhorn_unroll``)."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
     m = jnp.einsum("btk,mk->btm", f, fn, precision=jax.lax.Precision.HIGHEST)
@@ -26,8 +28,8 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    # A loop rather than unrolled rounds: same arithmetic, a much smaller graph to compile.
-    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb)
+    # By default a loop rather than unrolled rounds: same arithmetic, a much smaller graph to compile.
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb, unroll=True if unroll else 1)
     return pre, post, comb
 
 

@@ -42,6 +42,11 @@ class Numerics:
     fake_quant: bool = True  # simulate the deployment quantizers where the reference does
     kv_quant: bool = True  # store KV caches at deployment precision (FP8 window, FP4 compressed/index-K)
     kernels: str = "auto"  # who computes attention / routed experts (module docstring)
+    # Unroll the mHC Sinkhorn rounds instead of a while loop. On a GPU each while iteration costs a
+    # device-to-host round trip for its predicate: 418 iterations per 12-layer decode step, and ~7 ms of
+    # idle GPU in the H200 B=64 timeline. Unrolled rounds may fuse differently (1-ulp changes on CPU), and
+    # double the tiny model's compile time on CPU, so it is opt-in until measured (benchmarks/NOTES.md).
+    sinkhorn_unroll: bool = False
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":

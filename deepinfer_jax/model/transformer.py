@@ -20,9 +20,10 @@ from deepinfer_jax.model.numerics import Numerics
 __all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", "lm_head"]
 
 
-def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig):
+def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics):
     return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
-                     norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+                     norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                     unroll=numerics.sinkhorn_unroll)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
@@ -48,13 +49,13 @@ def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, ca
     tokens_bt: the token ids, needed by hash-routed MoE layers (V4's first num_hash_layers)."""
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
-    a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg)
+    a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg, numerics)
     attn_pre = carried_pre if cfg.delayed_pre_mhc else a_pre
     x = rms_norm(mhc.pre_apply(x_bthd, attn_pre, dt), p["attn_norm"]["weight"], eps, dt)
     attend = attention if parallel is None else parallel.attention
     attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, window_cache, sources, published, numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
-    f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg)
+    f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg, numerics)
     x = rms_norm(mhc.pre_apply(x_bthd, a_pre if cfg.delayed_pre_mhc else f_pre, dt), p["ffn_norm"]["weight"], eps, dt)
     experts_impl = None if parallel is None else parallel.routed_experts
     hash_ids = tokens_bt.reshape(-1) if plan.hash_routed else None
