@@ -483,3 +483,30 @@ def test_prepared_scales_give_the_same_bits_on_xla_and_in_gpu_interpreter(fmt):
     assert np.array_equal(_bits(k_prep), _bits(k_plain))
     with pytest.raises(ValueError, match=r"\[G, K/32, N\]"):
         grouped_matmul(x, w, gid, s, impl="xla", scales_prepared=True)       # checkpoint layout, wrong flag
+
+
+def test_kernel_grid_of_exact_tiles_gives_the_bucketed_grids_bits():
+    """Inside a caller's jit the wrapper sizes the grid to max_tiles instead of the power-of-two bucket;
+    the extra tiles are empty, so every row's bits must be the same (run here piecewise, eagerly, in the
+    interpreter: 3 exact tiles vs a bucket of 8)."""
+    from pallas_kernels.grouped_gemm.kernel import _plan_and_gather, _run_kernel, _unpermute
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+
+    rng = np.random.default_rng(13)
+    g, n, k, m = 3, 128, 128, 13
+    w, s = _weights(rng, WeightFormat.FP4, g, n, k)
+    s_kn = kernel_scales(s, WeightFormat.FP4, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(0, g, m), jnp.int32)
+    exact, bucket = max_tiles(m, g, _TINY_CFG.block_m), bucketed_tiles(m, g, _TINY_CFG.block_m)
+    assert exact < bucket
+    outs = []
+    with _interpret():
+        for t in (exact, bucket):
+            plan, x_pk = _plan_and_gather(x, gid, num_groups=g, block_m=_TINY_CFG.block_m, num_tiles=t, fp4=True)
+            y = _run_kernel(plan.tile_group, x_pk, w, s_kn, fmt=WeightFormat.FP4, config=_TINY_CFG,
+                            out_dtype=jnp.float32)
+            outs.append(_unpermute(y, plan, out_dtype=jnp.float32))
+    assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
+    want = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    np.testing.assert_allclose(np.asarray(outs[0]), want, rtol=0, atol=1e-5 * np.abs(want).max())
