@@ -24,9 +24,9 @@ Sections:
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
 * timeline: the same step (the engine's compiled program, no second compile) under jax.profiler only:
   wall ms/step against GPU busy time and the longest idle gaps.
-* unroll: the decode step at --profile-batch and the first context with ``Numerics.sinkhorn_unroll``
-  (the mHC Sinkhorn rounds unrolled: no while loop, so no per-iteration host round trip), to compare
-  with the decode section's row for the same shape.
+* unroll: the decode step at --profile-batch and the first context with ``sinkhorn_unroll=False``
+  (the mHC Sinkhorn rounds as a while loop, one host round trip per iteration; the GPU default since
+  2026-12-04 is unrolled), to compare with the decode section's row for the same shape.
 * xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
   dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
   XLA-only path, as a ratio to the kernel path.
@@ -434,8 +434,8 @@ def main(argv=None):
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
-        section("unroll-decode", run_decode, out, m, dataclasses.replace(numerics, sinkhorn_unroll=True),
-                [args.profile_batch], contexts[:1], max_len, "sinkhorn-unrolled")
+        section("unroll-decode", run_decode, out, m, dataclasses.replace(numerics, sinkhorn_unroll=False),
+                [args.profile_batch], contexts[:1], max_len, "sinkhorn-loop")
     if "timeline" in want:
         section("timeline", run_timeline, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "profile" in want:

@@ -43,10 +43,11 @@ class Numerics:
     kv_quant: bool = True  # store KV caches at deployment precision (FP8 window, FP4 compressed/index-K)
     kernels: str = "auto"  # who computes attention / routed experts (module docstring)
     # Unroll the mHC Sinkhorn rounds instead of a while loop. On a GPU each while iteration costs a
-    # device-to-host round trip for its predicate: 418 iterations per 12-layer decode step, and ~7 ms of
-    # idle GPU in the H200 B=64 timeline. Unrolled rounds may fuse differently (1-ulp changes on CPU), and
-    # double the tiny model's compile time on CPU, so it is opt-in until measured (benchmarks/NOTES.md).
-    sinkhorn_unroll: bool = False
+    # device-to-host round trip for its predicate (418 per 12-layer decode step); unrolling measured
+    # 48.4 -> 44.85 ms/step on the H200 slice at B=64 (benchmarks/NOTES.md). Elsewhere the loop stays:
+    # unrolled rounds double the tiny model's compile time on CPU and may fuse differently (1 ulp).
+    # None = unrolled exactly when JAX's default backend is a GPU.
+    sinkhorn_unroll: bool | None = None
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -74,6 +75,12 @@ class Numerics:
             # Storing quantized KV without the matching fake-quant would change results silently.
             raise ValueError("Numerics(kv_quant=True) needs fake_quant=True")
         self.kernel_mode("attention")  # validates the text
+
+    def unroll_sinkhorn(self) -> bool:
+        """``sinkhorn_unroll`` resolved: None means unrolled on a GPU backend only."""
+        if self.sinkhorn_unroll is None:
+            return jax.default_backend() == "gpu"
+        return self.sinkhorn_unroll
 
     def kernel_mode(self, op: str) -> str:
         """The mode (``KERNEL_MODES``) that ``kernels`` names for op (``attention`` or ``experts``)."""

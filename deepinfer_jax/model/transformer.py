@@ -23,7 +23,7 @@ __all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", 
 def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics):
     return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
                      norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                     unroll=numerics.sinkhorn_unroll)
+                     unroll=numerics.unroll_sinkhorn())
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
