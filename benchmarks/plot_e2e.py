@@ -36,7 +36,7 @@ def rows(results: dict, section: str) -> list[dict]:
 
 def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-03_tuned_merged.json"
+    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04_merged.json"
     dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "e2e_h200.png"
     res = json.loads(src.read_text())
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)
