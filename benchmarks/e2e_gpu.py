@@ -75,8 +75,11 @@ def peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def save(out: Path):
-    (out / "e2e_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+def save(out: Path | None = None):
+    """Write RESULTS to out (recorded in RESULTS["out_dir"] at the first call; later calls may omit it)."""
+    if out is not None:
+        RESULTS["out_dir"] = str(out)
+    (Path(RESULTS["out_dir"]) / "e2e_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
 def section(name, fn, out, *a):
@@ -170,6 +173,7 @@ def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, la
             rows.append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:500]))
             TABLE.append(f"{label} decode B={b:4d}: {type(e).__name__} {str(e)[:120]}")
         RESULTS["sections"][f"{label}-decode (partial)"] = rows
+        save()  # a device call cut off by its time limit in a later compile keeps these rows (2026-12-04)
     return rows
 
 
@@ -407,6 +411,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    save(out)
     want = set(args.sections.split(","))
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     batches, contexts, prompts = ints(args.batches), ints(args.contexts), ints(args.prompts)
