@@ -418,39 +418,38 @@ class Ours:
 
         return init_cache(self.cfg, batch, max_len, self.numerics)
 
+    @staticmethod
+    def chunks(prompt: list[int], chunk: int):
+        """-> (tokens [chunk], positions [chunk], real rows) per chunk of the prompt, the last one padded
+        with position -1 rows, so one program serves every chunk."""
+        toks = np.asarray(prompt, np.int32)
+        for s in range(0, len(toks), chunk):
+            part = toks[s:s + chunk]
+            n = len(part)
+            pos = np.arange(s, s + n, dtype=np.int32)
+            if n < chunk:
+                part = np.concatenate([part, np.zeros(chunk - n, np.int32)])
+                pos = np.concatenate([pos, np.full(chunk - n, -1, np.int32)])
+            yield part, pos, n
+
     def prefill(self, prompt: list[int], chunk: int, max_len: int):
         """-> (last-position logits [V], the batch-1 cache after the prompt)."""
         import jax.numpy as jnp
 
         cache = self.cache(1, max_len)
-        toks = np.asarray(prompt, np.int32)
-        for s in range(0, len(toks), chunk):
-            part = toks[s:s + chunk]
-            pos = np.arange(s, s + len(part), dtype=np.int32)
-            last = np.asarray([len(part) - 1], np.int32)  # the head reads the last real row
-            if len(part) < chunk:  # the last chunk padded with position -1 rows: one program for all chunks
-                pad = chunk - len(part)
-                part = np.concatenate([part, np.zeros(pad, np.int32)])
-                pos = np.concatenate([pos, np.full(pad, -1, np.int32)])
+        for part, pos, n in self.chunks(prompt, chunk):
+            last = np.asarray([n - 1], np.int32)  # the head reads the last real row
             logits, cache = self.chunk(self.params, cache, jnp.asarray(part[None]), jnp.asarray(pos[None]),
                                        jnp.asarray(last))
         return logits, cache
 
-
     def all_logits(self, prompt: list[int], chunk: int):
-        """-> every position's logits [T, V] of the prompt, run in chunks of ``chunk`` tokens (the last one
-        padded with position -1 rows), for paths that cannot take the whole prompt in one call."""
+        """-> every position's logits [T, V] of the prompt, run in chunks of ``chunk`` tokens, for paths that
+        cannot take the whole prompt in one call."""
         import jax.numpy as jnp
 
-        cache = self.cache(1, len(prompt) + chunk)
-        toks, out = np.asarray(prompt, np.int32), []
-        for s in range(0, len(toks), chunk):
-            part = toks[s:s + chunk]
-            pos = np.arange(s, s + len(part), dtype=np.int32)
-            n = len(part)
-            if n < chunk:
-                part = np.concatenate([part, np.zeros(chunk - n, np.int32)])
-                pos = np.concatenate([pos, np.full(chunk - n, -1, np.int32)])
+        cache, out = self.cache(1, len(prompt) + chunk), []
+        for part, pos, n in self.chunks(prompt, chunk):
             logits, cache = self.step(self.params, cache, jnp.asarray(part[None]), jnp.asarray(pos[None]))
             out.append(np.asarray(logits[0, :n]))
         return np.concatenate(out)
