@@ -359,6 +359,62 @@ def test_fp4_packed_ptx_replayed_in_numpy_gives_the_arith_values():
             assert np.array_equal((word >> (16 * half)) & 0xFFFF, _bits(want))
 
 
+def test_fp4_subnormal_ptx_replayed_in_numpy_gives_the_arith_values():
+    """The "subnormal" decoder's PTX replayed in numpy: every byte in either position, every E8M0 byte it
+    covers (0..128, the subnormal outputs of b = 1, 2 included) -> the E2M1 table value times 2^(b-127),
+    exactly, signed zeros too (checked in numpy, which keeps float32 subnormals); and bitwise the
+    "packed" decoder's words wherever both are exact (b = 0 and 3..128)."""
+    from pallas_kernels.grouped_gemm import fp4_packed
+
+    byte0 = np.arange(256)[None, :]
+    byte1 = np.roll(np.arange(256), 77)[None, :]
+    b = np.arange(0, fp4_packed.SUBNORMAL_MAX_SCALE_BYTE + 1)[:, None]
+    lo, hi = fp4_packed.emulate_subnormal(byte0, byte1, b)
+    scale = np.where(b == 0, 0.0, 2.0 ** (b - 127.0))
+    for word, shift in ((lo, 0), (hi, 4)):
+        for half, byte in enumerate((byte0, byte1)):
+            want = (_FP4[(byte >> shift) & 15] * scale).astype(np.float32).view(np.uint32)
+            assert not np.any(want & 0xFFFF)                 # every wanted value is a bf16
+            assert np.array_equal((word >> (16 * half)) & 0xFFFF, want >> 16)
+    both = (b[:, 0] == 0) | (b[:, 0] >= 3)
+    old_lo, old_hi = fp4_packed.emulate(byte0, byte1, b)
+    assert np.array_equal(lo[both], old_lo[both]) and np.array_equal(hi[both], old_hi[both])
+
+
+def test_scales_fit_subnormal_reads_both_scale_dtypes():
+    from pallas_kernels.grouped_gemm.fp4_packed import scales_fit_subnormal
+
+    s = jnp.asarray([[120, 128], [3, 0]], jnp.uint8)
+    assert scales_fit_subnormal(s)
+    assert scales_fit_subnormal(jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu))
+    assert not scales_fit_subnormal(s.at[0, 0].set(129))
+    assert scales_fit_subnormal(jnp.zeros((0, 4), jnp.uint8))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fmt):
+    """Two CTAs walking 16 (tile, column block) items with one TMA ring (3 K steps through 2 stages, so
+    the ring wraps inside and across items; empty tiles and ids -1 / G at the tail) give the grid
+    kernel's bits, which match the reference."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(14)
+    g, n, k, m = 3, 256, 192, 29
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    with _interpret():
+        grid = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_TINY_CFG)
+        pers = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32,
+                                     config=dataclasses.replace(_TINY_CFG, persistent=True))
+    assert not races_found()
+    assert np.array_equal(_bits(pers), _bits(grid))
+    want = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    np.testing.assert_allclose(np.asarray(pers), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def _fp4_weights_every_byte(rng, g, n, k):
     """FP4 weights holding every byte value, with scales mixing 2^-125, 2^-20, 2^20 and 2^113 into
     the usual range near 2^0."""
@@ -418,7 +474,9 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
         w = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8)
         s = jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
     for extra in ({}, _OLD_KERNEL, dict(fp4_dequant="bits", overlap_wgmma=False),
-                  dict(fp4_dequant="arith", overlap_wgmma=True), dict(fp4_dequant="packed")):
+                  dict(fp4_dequant="arith", overlap_wgmma=True), dict(fp4_dequant="packed"),
+                  dict(fp4_dequant="subnormal"), dict(persistent=True),
+                  dict(persistent=True, fp4_dequant="subnormal", overlap_wgmma=False)):
         cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3, **extra)
         lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
             lowering_platforms=("cuda",))

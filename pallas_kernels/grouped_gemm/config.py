@@ -11,7 +11,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 
 SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
 _BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
-FP4_DEQUANT_MODES = ("bits", "arith", "packed")
+FP4_DEQUANT_MODES = ("bits", "arith", "packed", "subnormal")
 
 
 class WeightFormat(enum.Enum):
@@ -44,10 +44,19 @@ class GroupedMatmulConfig:
         the scale) and converts to float32 in hardware, ~7 ALU ops per element; "arith" is the earlier
         float polynomial (~18 ops), kept so one GPU run can time both; "packed" decodes two nibbles
         per 32-bit op with inline PTX (``fp4_packed.py``, ~3.5 ops per element; GPU only: the interpreter
-        runs "bits" in its place).
+        runs "bits" in its place); "subnormal" builds E2M1 * 2^-126 as a bf16 (a subnormal for codes 0 and
+        1) and multiplies by 2^(b-1), ~2.5 ops per element, exact only for E8M0 bytes <= 128
+        (``fp4_packed.scales_fit_subnormal``; GPU only, like "packed").
     overlap_wgmma: let the dequantization of scale block c+1 run while block c's wgmma is in flight
         (wait for one group, not zero; the staged A tile gets two buffers per consumer). Same summation
         order as False, so the same bits.
+    persistent: launch one CTA per SM (the interpreter: 2) instead of one per (column block, tile); each
+        walks the (tile, column block) items i, i + #CTAs, ... with one TMA ring across its items, so the
+        producer fills the next item's stages while the consumers finish the last one. Each item is
+        computed exactly as in the one-per-tile grid, so the same bits.
+    swizzle_weights: FP8/FP4: TMA-swizzle the weight tile's rows (when they are 32, 64 or 128 bytes long)
+        and load each step's bytes whole, so the consumers' shared-memory reads do not conflict on banks
+        (False: the earlier unswizzled tile, read per scale block). Same values, so the same bits.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 
@@ -61,6 +70,8 @@ class GroupedMatmulConfig:
     # Exact for E8M0 scale bytes 0 and 3-251 (2^-124 .. 2^124), which real weight scales never leave.
     fp4_dequant: str = "packed"
     overlap_wgmma: bool = True
+    persistent: bool = False
+    swizzle_weights: bool = True
     xla_block_m: int = 8
 
     def __post_init__(self):
@@ -172,6 +183,14 @@ def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> Groupe
 #     keep more FP4 bytes in flight per CTA.
 #   prefill: FP4 32k x 6 315 -> 474 TFLOP/s at 128x256x64x3; 8k x 6 (128 rows per expert) 312 at
 #     64x256x128x4 -> 343 at 128x256x64x3.
+#   persistent launch (2026-12-04, round 3, results/grouped_gemm_sweep3_2026-12-04.json): FP4 decode 64x6
+#     0.825 -> 0.763 ms, 512x6 1.255 -> 1.205; FP4 prefill 32k x 6 494 -> 566 TFLOP/s (0.74 of the dense
+#     rate); FP8 decode unchanged (1.507 vs 1.517 ms). Round 4 (swizzled weight tiles, the default
+#     ``swizzle_weights``; results/grouped_gemm_sweep4_2026-12-04.json): FP8 decode 512x6 1.512 -> 1.370 ms,
+#     1.333 persistent (0.82 of copy); FP4 decode 64x6 0.764 -> 0.752 ms, and 0.615 (0.59 of copy) with
+#     the "subnormal" decoder, which the model picks when the scales allow it (moe._tile_config). Prefill
+#     unchanged (558-566 TFLOP/s). Bitwise equal throughout.
+_PERSISTENT = {(WeightFormat.FP4, "decode"), (WeightFormat.FP4, "prefill"), (WeightFormat.FP8, "decode")}
 _DECODE_CANDIDATES = {
     WeightFormat.FP4: ((16, 256, 128, 8), (16, 128, 128, 8)),
     WeightFormat.FP8: ((16, 256, 128, 5), (16, 128, 256, 5)),
@@ -193,11 +212,12 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
 
     A pure function of static shapes: a jitted step of fixed shape always runs one config. Falls back
     to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
-    Fields other than the tile shape (dequant mode, XLA tile) are taken from ``base``."""
-    rows = m_rows / max(num_groups, 1)
-    cands = (_DECODE_CANDIDATES if rows < DECODE_ROWS_PER_GROUP else _PREFILL_CANDIDATES)[fmt]
+    Fields other than the tile shape and the launch (dequant mode, XLA tile) are taken from ``base``."""
+    phase = "decode" if m_rows / max(num_groups, 1) < DECODE_ROWS_PER_GROUP else "prefill"
+    cands = (_DECODE_CANDIDATES if phase == "decode" else _PREFILL_CANDIDATES)[fmt]
     for bm, bn, bk, st in cands:
-        cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st), fmt, out_dtype)
+        cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st,
+                                             persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)
         if kernel_unsupported_reason(n, k, fmt, cfg, out_dtype) is None:
             return cfg
     return base

@@ -19,8 +19,18 @@ About 4 integer and 3 bf16x2 ops per two elements (the negation may fold into th
 per row and scale block for the constants: ~3.5 ops per element against ~7 in "bits". No float32 or
 bf16 subnormal is produced for b in [3, 251], so flush-to-zero cannot change a result.
 
+Mode "subnormal" (``SUBNORMAL_PTX``) trades range for ops. prmt copies each byte into both bytes of its
+half, w = [B0, B0, B1, B1], so one shift puts a nibble's 3 magnitude bits at bf16 bits 6-8 (exponent
+bits 0-1 and the top mantissa bit) with a zero exponent above them: that bf16 is exactly the E2M1 value
+* 2^-126 (codes 0 and 1 are bf16 subnormals, which bf16 arithmetic keeps). One bf16x2 multiply by
+C = 2^(b-1) gives value * 2^(b-127) exactly, and the sign is or-ed in from the other copy of the byte:
+10 ops per 4 elements (2.5 per element) against 15 in "packed". C must be a bf16, so the mode is exact
+for E8M0 bytes b in [0, 128] only (scales up to 2^1, weights up to 12), where "packed" covers [3, 251]:
+the caller checks the scales before choosing it (``scales_fit_subnormal``).
+
 The Mosaic GPU interpreter cannot run inline PTX: under it the kernel uses the "bits" decoder, which
-gives the same values. ``emulate`` replays the PTX in numpy, op for op, for the tests.
+gives the same values. ``emulate`` and ``emulate_subnormal`` replay the PTX in numpy, op for op, for
+the tests.
 """
 
 from __future__ import annotations
@@ -67,9 +77,50 @@ mov.b32 $2, s2;
 }"""
 
 
-def dequant(q, b):
+# "subnormal" mode. $2 = the input register, $3 = C -> low-nibble pair ($0), high-nibble pair ($1).
+# w = [B0, B0, B1, B1]: low nibble magnitude at bits 0-2 (shift 6 -> 6-8), its sign at 11 (shift 4 -> 15);
+# high nibble magnitude at bits 4-6 (shift 2), its sign already at 15 in the upper copy.
+SUBNORMAL_PTX = """{
+.reg .b32 w, t, m, r, sg;
+prmt.b32 w, $2, 0, 0x1100;
+shl.b32 t, w, 6;
+and.b32 m, t, 0x01C001C0;
+mul.rn.bf16x2 r, m, $3;
+shl.b32 sg, w, 4;
+lop3.b32 $0, sg, 0x80008000, r, 0xEA;
+shl.b32 t, w, 2;
+and.b32 m, t, 0x01C001C0;
+mul.rn.bf16x2 r, m, $3;
+lop3.b32 $1, w, 0x80008000, r, 0xEA;
+}"""
+
+# E8M0 byte ($1) -> C = 2^(b-1) in both bf16 halves ((b + 126) << 7), or 0 for b = 0 (slct: b - 1 < 0).
+_SUBNORMAL_CONST_PTX = """{
+.reg .b32 c, bm1;
+mul.lo.u32 c, $1, 0x00800080;
+add.u32 c, c, 0x3F003F00;
+sub.s32 bm1, $1, 1;
+slct.b32.s32 $0, c, 0, bm1;
+}"""
+SUBNORMAL_MAX_SCALE_BYTE = 128     # C = 2^(b-1) must be a finite bf16
+
+
+def scales_fit_subnormal(w_scale) -> bool:
+    """Whether every E8M0 byte of ``w_scale`` (uint8 or float8_e8m0fnu, any layout) is one the "subnormal"
+    mode decodes exactly (<= 128). Reads the array: call it once at weight-load time, not per step."""
+    import jax
+
+    s = w_scale if w_scale.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w_scale, jnp.uint8)
+    return bool(jnp.max(s) <= SUBNORMAL_MAX_SCALE_BYTE) if s.size else True
+
+
+def dequant(q, b, mode: str = "packed"):
     """q uint8 [R, C] bytes, b int32 [R, C] (each row's E8M0 byte, broadcast), both in the WGMMA layout
-    -> bf16 [R, 2C] in the WGMMA layout, columns [C low nibbles, C high nibbles] (the kernel's K order)."""
+    -> bf16 [R, 2C] in the WGMMA layout, columns [C low nibbles, C high nibbles] (the kernel's K order).
+
+    mode: "packed" (exact for b in {0} and [3, 251]) or "subnormal" (exact for b in [0, 128])."""
+    if mode not in ("packed", "subnormal"):
+        raise ValueError(f"mode={mode!r} must be 'packed' or 'subnormal'")
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -92,11 +143,18 @@ def dequant(q, b):
             if row_key not in consts:     # one set per row the thread holds, shared by its column groups
                 bval = vector.extract(b_fa.registers[idx], dynamic_position=[],
                                       static_position=ir.DenseI64ArrayAttr.get([0]))
-                res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 3), [bval], _CONST_PTX, "=r,=r,=r,r")
-                consts[row_key] = [llvm.extractvalue(i32, res, [k]) for k in range(3)]
+                if mode == "subnormal":
+                    consts[row_key] = [llvm.inline_asm(i32, [bval], _SUBNORMAL_CONST_PTX, "=r,r")]
+                else:
+                    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 3), [bval], _CONST_PTX, "=r,=r,=r,r")
+                    consts[row_key] = [llvm.extractvalue(i32, res, [k]) for k in range(3)]
             x = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-            res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *consts[row_key]], _PAIR_PTX,
-                                  "=r,=r,r,r,r,r")
+            if mode == "subnormal":
+                res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *consts[row_key]],
+                                      SUBNORMAL_PTX, "=r,=r,r,r")
+            else:
+                res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *consts[row_key]], _PAIR_PTX,
+                                      "=r,=r,r,r,r,r")
             for half in range(2):
                 pair = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [half]), bf16x2)
                 out[idx[:1] + (idx[1] + half * groups,) + idx[2:]] = pair
@@ -138,3 +196,27 @@ def emulate(byte0, byte1, b):
         d = _word(v * pos_t - t)
         outs.append(d | (shift(sgn) & _SIGN))
     return tuple(np.asarray(o, np.uint32) for o in outs)
+
+
+def emulate_subnormal(byte0, byte1, b):
+    """``SUBNORMAL_PTX`` (and its constant) on uint32 numpy arrays -> (low pair, high pair) bf16x2 words."""
+    x = np.asarray(byte0, np.uint32) | (np.asarray(byte1, np.uint32) << 8)
+    b = np.asarray(b, np.int64)
+    c = np.where(b - 1 >= 0, ((b * 0x00800080) + 0x3F003F00) & 0xFFFFFFFF, 0).astype(np.uint32)
+    w = (x & 0xFF) | ((x & 0xFF) << 8) | ((x & 0xFF00) << 8) | ((x & 0xFF00) << 16)
+    outs = []
+    for mag_shift, sign_word in ((6, (w << 4) & 0xFFFFFFFF), (2, w)):
+        m = (w << mag_shift) & 0x01C001C0
+        r = _word_exact(_bf16x2(m) * _bf16x2(c))
+        outs.append((sign_word & _SIGN) | r)
+    return tuple(np.asarray(o, np.uint32) for o in outs)
+
+
+def _word_exact(pair):
+    """float64 pairs that are exact bf16 values (subnormals included) -> bf16x2 words, in numpy alone
+    (numpy keeps float32 subnormals; the products here are exact, so any inexact one is a bug)."""
+    u = pair.astype(np.float32).view(np.uint32)
+    if np.any(u & 0xFFFF):
+        raise AssertionError("a product is not a bf16 value: the subnormal decode would round")
+    u = u >> 16
+    return u[..., 0] | (u[..., 1] << 16)

@@ -44,6 +44,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
 
 _HALF = SCALE_BLOCK // 2
+_PTX_MODES = ("packed", "subnormal")     # FP4 decoders written in inline PTX (GPU only)
 
 
 def _tiled(swizzle_bytes: int, itemsize: int):
@@ -108,7 +109,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     x_transforms = _tiled(x_swizzle, 2)
     w_dtype = {WeightFormat.BF16: jnp.bfloat16, WeightFormat.FP8: jnp.float8_e4m3fn,
                WeightFormat.FP4: jnp.uint8}[fmt]
-    w_transforms = _tiled(128, 2) if not quant else ()
+    # Quantized weight rows are bk_bytes long: unswizzled, the 8 rows a WGMMA-layout load reads at once
+    # share banks (4-way conflicts for 64-byte FP4 rows, measured by ncu 2026-12-04); a bk_bytes swizzle
+    # spreads them. TMA swizzles 32, 64 or 128-byte rows only.
+    swizzle_w = quant and cfg.swizzle_weights and bk_bytes in (32, 64, 128)
+    w_transforms = _tiled(128, 2) if not quant else (_tiled(bk_bytes, 1) if swizzle_w else ())
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_swizzle = plgpu.find_swizzle(bm * out_itemsize * 8, "out")
     out_transforms = _tiled(out_swizzle, out_itemsize)
@@ -118,26 +123,37 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     fp4_mode = cfg.fp4_dequant if fmt is WeightFormat.FP4 else None
-    if fp4_mode == "packed" and _interpreting():
+    if fp4_mode in _PTX_MODES and _interpreting():
         fp4_mode = "bits"    # the interpreter cannot run inline PTX; "bits" gives the same values
     fp4_bits = fp4_mode == "bits"
 
-    def dequant_block(w_smem, s_smem, slot, rows, c):
+    block_bytes = _HALF if fmt is WeightFormat.FP4 else SCALE_BLOCK    # weight bytes of one scale block
+
+    def load_step_weights(w_smem, slot, rows):
+        """The step's [wg_rows, bk_bytes] weight bytes in the WGMMA layout, when the tile is swizzled (a
+        swizzled tile is loaded whole; an unswizzled one per scale block, in ``block_weights``)."""
+        if not swizzle_w:
+            return None
+        return plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+
+    def block_weights(w_smem, q_step, slot, rows, c):
+        if q_step is not None:
+            return q_step[:, c * block_bytes:(c + 1) * block_bytes]
+        return plgpu.load(w_smem.at[slot, rows, pl.ds(c * block_bytes, block_bytes)], layout=plgpu.Layout.WGMMA,
+                          optimized=False)
+
+    def dequant_block(w_smem, q_step, s_smem, slot, rows, c):
         """[wg_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order)."""
         s_u8 = plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False)
-        if fp4_mode == "packed":
-            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)], layout=plgpu.Layout.WGMMA,
-                           optimized=False)
-            return fp4_packed.dequant(q, lax.broadcast_in_dim(s_u8.astype(jnp.int32), (wg_rows, _HALF), [0]))
+        q = block_weights(w_smem, q_step, slot, rows, c)
+        if fp4_mode in _PTX_MODES:
+            return fp4_packed.dequant(q, lax.broadcast_in_dim(s_u8.astype(jnp.int32), (wg_rows, _HALF), [0]),
+                                      mode=fp4_mode)
         scale = _e8m0_row_to_f32_times_2_14(s_u8) if fp4_bits else _e8m0_row_to_f32(s_u8)
         scale = lax.broadcast_in_dim(scale, (wg_rows, SCALE_BLOCK), [0])
         if fmt is WeightFormat.FP8:
-            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)],
-                           layout=plgpu.Layout.WGMMA, optimized=False)
             vals = q.astype(jnp.float16).astype(jnp.float32)
         else:
-            q = plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
-                           layout=plgpu.Layout.WGMMA, optimized=False)
             q = q.astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
             if fp4_bits:
                 vals = _f16_bits_to_f32(jnp.concatenate(_fp4_bytes_to_f16_bits(q), axis=1))
@@ -145,97 +161,137 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 vals = jnp.concatenate([_fp4_nibble_to_f32(q & 15), _fp4_nibble_to_f32(q >> 4)], axis=1)
         return (vals * scale).astype(jnp.bfloat16)
 
+    n_blocks = n // bn
+    if cfg.persistent:
+        n_items = n_blocks * num_tiles
+        n_ctas = min(_num_ctas(), n_items)
+        items_per_cta = -(-n_items // n_ctas)
+    else:
+        items_per_cta = 1
+
     def body(tile_group_ref, x_ref, w_ref, *rest):
         if quant:
             s_ref, yt_ref, scratch = rest[0], rest[1], rest[2:]
         else:
             s_ref, yt_ref, scratch = None, rest[0], rest[1:]
         (x_smem, w_smem, s_smem, a_smem, o_smem), (full, empty) = scratch
-        nt = lax.axis_index("n")
-        t = lax.axis_index("t")
         wg = lax.axis_index("wg")
-        grp = tile_group_ref[t]
-        m_rows = pl.ds(t * bm, bm)
+
+        def item(k):
+            """This CTA's k-th item -> (column block, tile, group, has work). Items without work (tiles of
+            group -1, or past the last item) only ever come after every item with work, so the k of the
+            items with work are 0, 1, ..., and step k * n_steps + i of the ring is item k's K step i."""
+            if not cfg.persistent:
+                t = lax.axis_index("t")
+                grp = tile_group_ref[t]
+                return lax.axis_index("n"), t, grp, grp >= 0
+            j = lax.axis_index("c") + k * n_ctas
+            t = jnp.minimum(lax.div(j, n_blocks), num_tiles - 1)
+            grp = tile_group_ref[t]
+            return lax.rem(j, n_blocks), t, grp, (j < n_items) & (grp >= 0)
+
+        def for_each_item(fn):
+            @pl.loop(0, items_per_cta)
+            def _(k):
+                nt, t, grp, has_work = item(k)
+
+                @pl.when(has_work)
+                def _():
+                    fn(k, nt, t, grp)
 
         def producer():
             plgpu.set_max_registers(40, action="decrease")
-            n_rows = pl.ds(nt * bn, bn)
 
-            @pl.loop(0, n_steps)
-            def _(i):
-                slot = lax.rem(i, stages)
+            def load(k, nt, t, grp):
+                n_rows, m_rows = pl.ds(nt * bn, bn), pl.ds(t * bm, bm)
 
-                @pl.when(i >= stages)
+                @pl.loop(0, n_steps)
+                def _(i):
+                    step = k * n_steps + i
+                    slot = lax.rem(step, stages)
+
+                    @pl.when(step >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+                    plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
+                    plgpu.copy_gmem_to_smem(w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)], w_smem.at[slot],
+                                            full.at[slot])
+                    if quant:
+                        plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * (bk // SCALE_BLOCK), bk // SCALE_BLOCK),
+                                                         n_rows], s_smem.at[slot], full.at[slot])
+
+            for_each_item(load)
+            # Observe each used slot's last release so no barrier is mid-phase when the CTA exits. Ring step
+            # s < stages was used iff its item (s // n_steps) had work.
+            for s in range(min(stages, items_per_cta * n_steps)):
+                @pl.when(item(s // n_steps)[3])
                 def _():
-                    plgpu.barrier_wait(empty.at[slot])
-                plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)], w_smem.at[slot],
-                                        full.at[slot])
-                if quant:
-                    plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * (bk // SCALE_BLOCK), bk // SCALE_BLOCK),
-                                                     n_rows], s_smem.at[slot], full.at[slot])
-            # Observe each slot's last release so no barrier is mid-phase when the CTA exits.
-            for s in range(min(stages, n_steps)):
-                plgpu.barrier_wait(empty.at[s])
+                    plgpu.barrier_wait(empty.at[s])
 
         def consumer(half: int):
             plgpu.set_max_registers(232, action="increase")
             rows = pl.ds(half * wg_rows, wg_rows)
 
-            def acc_scope(acc_ref):
-                @pl.loop(0, n_steps)
-                def _(i):
-                    slot = lax.rem(i, stages)
-                    plgpu.barrier_wait(full.at[slot])
-                    if quant:
-                        for c in range(bk // SCALE_BLOCK):
-                            a = dequant_block(w_smem, s_smem, slot, rows, c)
-                            if not cfg.a_from_registers:
-                                buf = a_smem.at[half, c % a_bufs]
-                                buf[...] = a
-                                plgpu.commit_smem()
-                                a = buf
-                            plgpu.wgmma(acc_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
-                            if not overlap:
-                                plgpu.wgmma_wait(0)   # the next block overwrites a
-                                continue
-                            # Block c-1's wgmma (and its A) is done; block c's runs while c+1 is dequantized.
-                            plgpu.wgmma_wait(1)
-                            if c == 0:
-                                # ... and with it the previous step's last wgmma: release that step's slot.
-                                @pl.when(i > 0)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[lax.rem(i + stages - 1, stages)])
-                    else:
-                        plgpu.wgmma(acc_ref, w_smem.at[slot, rows], x_smem.at[slot].T)
+            def compute(k, nt, t, grp):
+                def acc_scope(acc_ref):
+                    @pl.loop(0, n_steps)
+                    def _(i):
+                        step = k * n_steps + i
+                        slot = lax.rem(step, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        if quant:
+                            q_step = load_step_weights(w_smem, slot, rows)
+                            for c in range(bk // SCALE_BLOCK):
+                                a = dequant_block(w_smem, q_step, s_smem, slot, rows, c)
+                                if not cfg.a_from_registers:
+                                    buf = a_smem.at[half, c % a_bufs]
+                                    buf[...] = a
+                                    plgpu.commit_smem()
+                                    a = buf
+                                plgpu.wgmma(acc_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                                if not overlap:
+                                    plgpu.wgmma_wait(0)   # the next block overwrites a
+                                    continue
+                                # Block c-1's wgmma (and its A) is done; block c's runs while c+1 is dequantized.
+                                plgpu.wgmma_wait(1)
+                                if c == 0:
+                                    # ... and with it the previous step's last wgmma: release that step's slot.
+                                    @pl.when(i > 0)
+                                    def _():
+                                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+                        else:
+                            plgpu.wgmma(acc_ref, w_smem.at[slot, rows], x_smem.at[slot].T)
+                            plgpu.wgmma_wait(0)
+                        if not overlap:
+                            plgpu.barrier_arrive(empty.at[slot])
+
+                    if overlap:
                         plgpu.wgmma_wait(0)
-                    if not overlap:
-                        plgpu.barrier_arrive(empty.at[slot])
+                        plgpu.barrier_arrive(empty.at[lax.rem(k * n_steps + n_steps - 1, stages)])
+                    return acc_ref[...]
 
-                if overlap:
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(empty.at[(n_steps - 1) % stages])
-                return acc_ref[...]
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+                if cfg.persistent:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's store has read o_smem
+                o_smem.at[half][...] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[half], yt_ref.at[pl.ds(nt * bn + half * wg_rows, wg_rows),
+                                                                   pl.ds(t * bm, bm)])
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
-            o_smem.at[half][...] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[half], yt_ref.at[pl.ds(nt * bn + half * wg_rows, wg_rows), m_rows])
+            for_each_item(compute)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(grp >= 0)
+        @pl.when(wg == 0)
         def _():
-            @pl.when(wg == 0)
-            def _():
-                consumer(0)
+            consumer(0)
 
-            @pl.when(wg == 1)
-            def _():
-                consumer(1)
+        @pl.when(wg == 1)
+        def _():
+            consumer(1)
 
-            @pl.when(wg == 2)
-            def _():
-                producer()
+        @pl.when(wg == 2)
+        def _():
+            producer()
 
     s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
     a_staged = quant and not cfg.a_from_registers
@@ -255,8 +311,20 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
 
+    grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((n, num_tiles * bm), out_dtype),
-                        grid=(n // bn, num_tiles), grid_names=("n", "t"), num_threads=3, thread_name="wg")
+                        grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+
+
+def _num_ctas() -> int:
+    """CTAs of a persistent launch: one per SM of the GPU; 2 in the interpreter, so each CTA walks
+    several items there too."""
+    if _interpreting():
+        return 2
+    try:
+        return int(jax.local_devices(backend="gpu")[0].core_count)
+    except RuntimeError:     # lowering for CUDA on a machine without a GPU (tests): an H100/H200's count
+        return 132
 
 
 def fp4_k_permutation(k: int, block: int = SCALE_BLOCK) -> jax.Array:

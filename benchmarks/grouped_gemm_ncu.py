@@ -1,0 +1,58 @@
+"""One grouped-GEMM launch per config, for Nsight Compute (ncu) on the GPU machine: where a kernel's warps stall.
+
+    ncu --clock-control none -k regex:mosaic --launch-skip 0 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+        -o $OUT/gg python3 benchmarks/grouped_gemm_ncu.py fp4-decode fp8-decode
+    ncu --import $OUT/gg.ncu-rep --page details > $OUT/gg_details.txt
+
+Cases (argv, in launch order): fp4-decode / fp8-decode (64 tokens x top-6) and fp4-prefill (8k x 6)
+at the V4.1-Flash expert shape (hidden 5120 -> width 2304, 384 experts), each with the model's tile
+config (``tuned_config``). Each case compiles, runs once to warm up (outside the profiled kernel
+count only if --launch-skip says so: the warm-up is the case's first Mosaic launch) and once more.
+Random weights and routing, as in ``grouped_gemm_gpu.py``; no timing here (ncu replays each kernel).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.grouped_gemm.config import WeightFormat, tuned_config  # noqa: E402
+from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
+
+K, N, G, TOP_K = 5120, 2304, 384, 6
+CASES = {"fp4-decode": (WeightFormat.FP4, 64), "fp8-decode": (WeightFormat.FP8, 64),
+         "fp4-prefill": (WeightFormat.FP4, 8192)}
+
+
+def weights(fmt: WeightFormat):
+    kw, ks = jax.random.split(jax.random.key(1))
+    if fmt is WeightFormat.FP8:
+        w = (jax.random.normal(kw, (G, N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+        return w, jax.random.randint(ks, (G, N // 32, K // 32), 118, 122).astype(jnp.uint8)
+    return (jax.random.bits(kw, (G, N, K // 2), jnp.uint8),
+            jax.random.randint(ks, (G, N, K // 32), 118, 122).astype(jnp.uint8))
+
+
+def main(names: list[str]) -> None:
+    for name in names:
+        fmt, tokens = CASES[name]
+        w, s = weights(fmt)
+        m = tokens * TOP_K
+        gid = jnp.argsort(jax.random.uniform(jax.random.key(tokens), (tokens, G)), axis=1)[:, :TOP_K]
+        gid = gid.reshape(-1).astype(jnp.int32)
+        x = jax.random.normal(jax.random.key(tokens + 1), (m, K), jnp.bfloat16)
+        cfg = tuned_config(m, G, N, K, fmt, jnp.float32)
+        print(name, cfg, flush=True)
+        for _ in range(2):
+            jax.block_until_ready(grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg))
+        del w, s
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["fp4-decode"])
