@@ -57,7 +57,7 @@ from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  #
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
-from deepinfer_jax.model.moe import experts_run_kernel, prepare_expert_scales  # noqa: E402
+from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
 from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
                          slice_config, synthetic_cache)
@@ -427,7 +427,7 @@ def main(argv=None):
     numerics = Numerics.reference()
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     if experts_run_kernel(numerics):     # as the engine (LLM) does: kernel-layout expert scales, once
-        params = prepare_expert_scales(params)
+        params, numerics = prepare_experts_for_kernel(params, numerics)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
     m = Model(cfg, params, tok, token_map)

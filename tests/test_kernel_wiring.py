@@ -257,3 +257,24 @@ def test_prepared_expert_scales_change_no_bits(tiny_params, tiny_cfg, tiny_token
         want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, nq)
         got = run_chunks(prepared, tiny_cfg, tiny_token_map, prompts, 7, nq)
         assert np.array_equal(got, want), mode
+
+
+def test_fp4_scale_max_picks_the_subnormal_decoder_only_when_every_scale_allows_it(tiny_params):
+    """prepare_experts_for_kernel reads the largest FP4 expert scale byte into Numerics; the kernel config
+    uses the "subnormal" decoder (exact for bytes <= 128) only then, and "packed" when unknown or larger."""
+    from deepinfer_jax.model.moe import _expert_linears, _tile_config, fp4_expert_scale_max, prepare_experts_for_kernel
+
+    want = max(int(np.max(np.asarray(jax.lax.bitcast_convert_type(p["scale"], jnp.uint8))))
+               for p in _expert_linears(tiny_params))
+    assert fp4_expert_scale_max(tiny_params) == want
+    prepared, nq = prepare_experts_for_kernel(tiny_params, Numerics.reference())
+    assert nq.fp4_scale_max == want and nq == Numerics.reference().__class__(
+        **{**Numerics.reference().__dict__, "fp4_scale_max": want})
+    assert fp4_expert_scale_max(prepared) == want                       # kernel layout read the same
+    p_lin = next(_expert_linears(prepared))
+    m = 6
+    assert _tile_config(p_lin, m, nq).fp4_dequant == ("subnormal" if want <= 128 else "packed")
+    assert _tile_config(p_lin, m, Numerics.reference()).fp4_dequant == "packed"          # not known
+    big = Numerics.reference().__class__(**{**nq.__dict__, "fp4_scale_max": 129})
+    assert _tile_config(p_lin, m, big).fp4_dequant == "packed"
+    assert fp4_expert_scale_max({"layers": [{"mlp": {"dense": 1}}]}) is None               # no experts

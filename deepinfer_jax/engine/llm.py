@@ -19,7 +19,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler
 from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
-from deepinfer_jax.model.moe import experts_run_kernel, prepare_expert_scales
+from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel
 from deepinfer_jax.model.numerics import Numerics, as_numerics
 from deepinfer_jax.planner import MemoryPlan, PlanError, parse_bytes, plan_memory
 from deepinfer_jax.sharding import DEFAULT_RULES, MeshSpec, ShardingRules, make_mesh, mesh_spec_of, \
@@ -134,7 +134,7 @@ class LLM:
                              f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
         self.params = self._load(path, rules, progress)
         if experts_run_kernel(self.numerics):    # the kernel's scale layout, once instead of every step
-            self.params = prepare_expert_scales(self.params)
+            self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics)
         if mesh is None:
             self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
                                        self.engine_config)

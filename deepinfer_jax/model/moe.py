@@ -118,6 +118,45 @@ def prepare_expert_scales(params: dict) -> dict:
     return walk(params)
 
 
+def _expert_linears(params):
+    """Every routed-expert linear dict (w1, w3, w2 of each MoE layer) in params."""
+    if isinstance(params, dict):
+        if "experts" in params and isinstance(params["experts"], dict):
+            yield from (v for k, v in params["experts"].items() if k in ("w1", "w2", "w3"))
+        for k, v in params.items():
+            if k != "experts":
+                yield from _expert_linears(v)
+    elif isinstance(params, (list, tuple)):
+        for v in params:
+            yield from _expert_linears(v)
+
+
+def fp4_expert_scale_max(params: dict) -> int | None:
+    """The largest E8M0 byte over the routed experts' FP4 scales (either layout); None without FP4 experts.
+    Reads the arrays (one reduction each): for load time."""
+    from pallas_kernels.grouped_gemm.config import WeightFormat
+
+    best = None
+    for p_lin in _expert_linears(params):
+        s = p_lin.get("scale_kn", p_lin.get("scale"))
+        if s is None or _expert_format(p_lin) is not WeightFormat.FP4 or not s.size:
+            continue
+        s_u8 = s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+        top = int(jnp.max(s_u8))
+        best = top if best is None else max(best, top)
+    return best
+
+
+def prepare_experts_for_kernel(params: dict, numerics: Numerics) -> tuple[dict, Numerics]:
+    """What the engine does once after loading when ``experts_run_kernel``: kernel-layout expert scales
+    (``prepare_expert_scales``), and ``numerics.fp4_scale_max`` read off them, which lets the kernel use
+    its cheaper FP4 decoder when every scale allows it."""
+    import dataclasses
+
+    params = prepare_expert_scales(params)
+    return params, dataclasses.replace(numerics, fp4_scale_max=fp4_expert_scale_max(params))
+
+
 def experts_run_kernel(numerics: Numerics) -> bool:
     """Whether the routed experts will run on the Pallas grouped GEMM here (the engine then calls
     ``prepare_expert_scales`` once). Platform and mode only; shapes the kernel cannot take fall back
@@ -147,14 +186,18 @@ def _expert_format(p_lin: dict):
     return weight_format(p_lin["weight"], p_lin.get("scale"))
 
 
-def _tile_config(p_lin: dict, m_rows: int):
-    """The kernel tile config for these weights at M rows (``tuned_config``: static in the shapes)."""
-    from pallas_kernels.grouped_gemm.config import tuned_config
+def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics):
+    """The kernel config for these weights at M rows (``tuned_config``: static in the shapes), with the
+    "subnormal" FP4 decoder when ``numerics.fp4_scale_max`` says every scale allows it."""
+    from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, tuned_config
+    from pallas_kernels.grouped_gemm.fp4_packed import SUBNORMAL_MAX_SCALE_BYTE
 
     w = p_lin["weight"]
     fmt = _expert_format(p_lin)
     k = w.shape[2] * (2 if fmt.value == "fp4" else 1)
-    return tuned_config(m_rows, w.shape[0], w.shape[1], k, fmt, jnp.float32)
+    fits = numerics.fp4_scale_max is not None and numerics.fp4_scale_max <= SUBNORMAL_MAX_SCALE_BYTE
+    base = GroupedMatmulConfig(fp4_dequant="subnormal") if fits else GroupedMatmulConfig()
+    return tuned_config(m_rows, w.shape[0], w.shape[1], k, fmt, jnp.float32, base=base)
 
 
 def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[str | None, str | None]:
@@ -172,7 +215,7 @@ def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[
     for name in ("w1", "w3", "w2"):
         w = p_exp[name]["weight"]
         k = w.shape[2] * (2 if fmts[name].value == "fp4" else 1)
-        cfg = _tile_config(p_exp[name], m_rows)
+        cfg = _tile_config(p_exp[name], m_rows, numerics)
         if (why := kernel_unsupported_reason(w.shape[1], k, fmts[name], cfg, jnp.float32)):
             return None, f"expert weights {name} {tuple(w.shape)}: {why}"
     return None, None
@@ -205,7 +248,7 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
                 return grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg,
                                              scales_prepared=prepared)
         return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl, selection=_auto_selection(),
-                              config=_tile_config(p_exp[name], x.shape[0]), scales_prepared=prepared)
+                              config=_tile_config(p_exp[name], x.shape[0], numerics), scales_prepared=prepared)
 
     xq = act_quant(x_md, numerics, act_block)
     x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r

@@ -48,6 +48,11 @@ class Numerics:
     # unrolled rounds double the tiny model's compile time on CPU and may fuse differently (1 ulp).
     # None = unrolled exactly when JAX's default backend is a GPU.
     sinkhorn_unroll: bool | None = None
+    # The largest E8M0 byte of the routed experts' FP4 scales, when the engine has read the weights
+    # (``moe.prepare_experts_for_kernel``); None = not known. At <= 128 the grouped GEMM may decode FP4
+    # with its cheaper "subnormal" decoder (exact for those scales only): measured 0.752 -> 0.615 ms for
+    # one [2304 x 5120] expert matrix at decode 64 x 6 on the H200 (benchmarks/NOTES.md). Same bits.
+    fp4_scale_max: int | None = None
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
