@@ -36,7 +36,7 @@ def rows(results: dict, section: str) -> list[dict]:
 
 def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04_merged.json"
+    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04b_merged.json"
     dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "e2e_h200.png"
     res = json.loads(src.read_text())
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)
@@ -54,12 +54,11 @@ def main(argv=None) -> Path:
     ax1.set(xscale="log", yscale="log", xlabel="batch (slots)", ylabel="decode tokens/s",
             title="decode (labels: bytes/time as a share of copy BW)")
     ax1.legend()
-    prefill = rows(res, "prefill")
-    prompts = sorted({r["prompt"] for r in prefill})
+    prefill = {(r["prompt"], r["bounded_replay"]): r for r in rows(res, "prefill")}   # later runs win
+    prompts = sorted({p for p, _ in prefill})
     width = 0.38
     for i, br in enumerate((False, True)):
-        vals = [next(r["tokens_per_s"] for r in prefill if r["prompt"] == p and r["bounded_replay"] == br)
-                for p in prompts]
+        vals = [prefill[p, br]["tokens_per_s"] for p in prompts]
         ax2.bar([j + (i - 0.5) * width for j in range(len(prompts))], vals, width,
                 label="bounded replay " + ("on" if br else "off"))
     ax2.set_xticks(range(len(prompts)), [f"{p} tokens" for p in prompts])
