@@ -24,6 +24,8 @@ Sections:
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
 * timeline: the same step (the engine's compiled program, no second compile) under jax.profiler only:
   wall ms/step against GPU busy time and the longest idle gaps.
+* ptimeline: the prefill of the last --prompts length (replay off: every chunk runs every layer) under
+  jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
 * unroll: the decode step at --profile-batch and the first context with ``sinkhorn_unroll=False``
   (the mHC Sinkhorn rounds as a while loop, one host round trip per iteration; the GPU default since
   2026-12-04 is unrolled), to compare with the decode section's row for the same shape.
@@ -278,20 +280,31 @@ def run_timeline(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int):
 def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
     """The engine's own (donating) decode step under jax.profiler: wall time per step against the time
     the GPU is busy, and the longest idle gaps with the GPU events around them (host-bound waits)."""
+    for _ in range(2):  # the first call compiles
+        sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+        jax.block_until_ready(out)
+
+    def run():
+        for _ in range(steps):
+            sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+        jax.block_until_ready(out)
+
+    return _traced(run, steps, "step")
+
+
+def _traced(run, per: int, unit: str) -> dict:
+    """run() under jax.profiler -> wall ms and GPU busy ms per ``unit`` (run does ``per`` of them), the
+    longest idle gaps between GPU events, and the busy time by kernel name (every launch in the trace,
+    unlike the CUPTI list)."""
     import tempfile
 
     from jax.profiler import ProfileData
 
     tmp = tempfile.mkdtemp()
-    for _ in range(2):  # the first call compiles
-        sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
-        jax.block_until_ready(out)
     t0 = time.perf_counter()
     with jax.profiler.trace(tmp):
-        for _ in range(steps):
-            sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
-        jax.block_until_ready(out)
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        run()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / per
     path = next(Path(tmp).rglob("*.xplane.pb"))
     events = []
     for plane in ProfileData.from_file(str(path)).planes:
@@ -308,7 +321,7 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
     for ev in events:
         start, stop, name, line = ev
         agg = by_name.setdefault(name.split("(")[0][:100], [0.0, 0])
-        agg[0] += (stop - start) / 1e6 / steps
+        agg[0] += (stop - start) / 1e6 / per
         agg[1] += 1
         if start > end:
             gaps.append(((start - end) / 1e6, prev[2][:60], name[:60]))
@@ -320,20 +333,31 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + (stop - start) / 1e6
     span_ms = (end - events[0][0]) / 1e6
     gaps.sort(reverse=True)
-    log(f"timeline: {wall_ms:.2f} ms/step wall, GPU span {span_ms / steps:.2f} ms/step, busy {busy / 1e6 / steps:.2f} "
-        f"ms/step, by kind {({k: round(v / steps, 2) for k, v in kinds.items()})}; lines "
+    log(f"timeline: {wall_ms:.2f} ms/{unit} wall, GPU span {span_ms / per:.2f} ms/{unit}, busy {busy / 1e6 / per:.2f} "
+        f"ms/{unit}, by kind {({k: round(v / per, 2) for k, v in kinds.items()})}; lines "
         f"{sorted({e[3] for e in events})[:8]}")
     for g in gaps[:15]:
         log(f"  gap {g[0]:8.3f} ms after {g[1]!r} before {g[2]!r}")
-    # Per kernel name (every launch in the trace, unlike the CUPTI list): where the busy time goes.
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
-    busy_step = busy / 1e6 / steps
-    log("timeline by kernel name (ms/step, launches/step, share of busy):")
+    busy_unit = busy / 1e6 / per
+    log(f"timeline by kernel name (ms/{unit}, launches/{unit}, share of busy):")
     for name, (ms, n) in top:
-        log(f"  {ms:8.3f} ms {n / steps:6.0f}x {ms / busy_step:6.1%}  {name}")
-    return dict(wall_ms=wall_ms, span_ms=span_ms / steps, busy_ms=busy_step, kinds_ms=kinds,
+        log(f"  {ms:8.3f} ms {n / per:6.0f}x {ms / busy_unit:6.1%}  {name}")
+    return dict(wall_ms=wall_ms, span_ms=span_ms / per, busy_ms=busy_unit, kinds_ms=kinds,
                 gaps=gaps[:40], n_events=len(events),
-                by_name=[dict(kernel=k, ms=v[0], launches=v[1] / steps) for k, v in top])
+                by_name=[dict(kernel=k, ms=v[0], launches=v[1] / per) for k, v in top])
+
+
+def run_prefill_timeline(m: Model, numerics: Numerics, prompt: int, chunk: int, bounded_replay: bool = False):
+    """One prompt's prefill (``Scheduler.run``, max_tokens=1) under jax.profiler, after a warm-up that
+    compiles the programs: where a prefill's GPU time goes, per prompt (replay off by default, so every
+    chunk runs every layer)."""
+    rng = np.random.default_rng(1)
+    sch = scheduler(m, numerics, 1, prompt + 16, chunk, bounded_replay=bounded_replay)
+    sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
+    req = Request("traced", [int(x) for x in rng.integers(3, 120000, prompt)], SamplingParams(max_tokens=1))
+    rec = _traced(lambda: sch.run([req]), 1, "prompt")
+    return dict(prompt=prompt, chunk=chunk, bounded_replay=bounded_replay, **rec)
 
 
 def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
@@ -447,6 +471,8 @@ def main(argv=None):
         section("profile", run_profile, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "prefill" in want:
         section("prefill", run_prefill, out, m, numerics, prompts, args.chunk)
+    if "ptimeline" in want:
+        section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:
         section("xla-decode", run_decode, out, dataclasses.replace(m, params=params_xla),
                 dataclasses.replace(numerics, kernels="xla"),
