@@ -2,11 +2,15 @@
 
 Work layout. The tile plan (``plan.py``) sorts token rows by expert and pads each expert to a multiple
 of ``block_m`` rows, so tile t belongs to one expert ``tile_group[t]`` (-1 = unused tile, skipped).
-CTA (n, t) computes output columns [n*block_n, (n+1)*block_n) of tile t's rows:
+The item (n, t) is output columns [n*block_n, (n+1)*block_n) of tile t's rows. The grid launch gives
+each item its own CTA; the persistent launch (``cfg.persistent``) starts one CTA per SM, and CTA c
+takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them. Per item:
 
 * warpgroup 2 (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the weight
-  tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes) and, for the quantized
-  formats, the step's E8M0 scale bytes [block_k/32, block_n], with TMA into a ``stages``-deep ring.
+  tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes; the quantized ones
+  TMA-swizzled when ``cfg.swizzle_weights``, so the consumers' row reads do not share banks) and, for
+  the quantized formats, the step's E8M0 scale bytes [block_k/32, block_n], with TMA into a
+  ``stages``-deep ring.
 * warpgroups 0 and 1 (consumers) each own block_n/2 weight rows. The weights are the wgmma A
   operand (the M side: 64-row granules) and the tokens the B operand (N side: any multiple of 8),
   so a decode tile of a few tokens wastes little tensor-core work. bf16 weights feed wgmma from
@@ -15,7 +19,8 @@ CTA (n, t) computes output columns [n*block_n, (n+1)*block_n) of tile t's rows:
   whether block c+1's dequantization overlaps block c's wgmma (``cfg.overlap_wgmma``) change the speed,
   never the bf16 values.
 * the f32 accumulator [block_n/2, block_m] is the transposed output tile; it is stored to y^T
-  [N, T*block_m] with TMA, and the wrapper transposes and un-permutes.
+  [N, T*block_m] with TMA (in the persistent launch, while the next item runs), and the wrapper
+  transposes and un-permutes.
 
 Invariance: the K loop runs in a fixed order of 16-wide wgmma steps into one f32 accumulator; there is
 no split-K and nothing depends on M, on the group sizes, or on where a row sits in its tile.
