@@ -135,16 +135,12 @@ def fp4_expert_scale_max(params: dict) -> int | None:
     """The largest E8M0 byte over the routed experts' FP4 scales (either layout); None without FP4 experts.
     Reads the arrays (one reduction each): for load time."""
     from pallas_kernels.grouped_gemm.config import WeightFormat
+    from pallas_kernels.grouped_gemm.fp4_packed import scale_byte_max
 
-    best = None
-    for p_lin in _expert_linears(params):
-        s = p_lin.get("scale_kn", p_lin.get("scale"))
-        if s is None or _expert_format(p_lin) is not WeightFormat.FP4 or not s.size:
-            continue
-        s_u8 = s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
-        top = int(jnp.max(s_u8))
-        best = top if best is None else max(best, top)
-    return best
+    tops = [scale_byte_max(s) for p_lin in _expert_linears(params)
+            if (s := p_lin.get("scale_kn", p_lin.get("scale"))) is not None
+            and _expert_format(p_lin) is WeightFormat.FP4]
+    return max((t for t in tops if t is not None), default=None)
 
 
 def prepare_experts_for_kernel(params: dict, numerics: Numerics) -> tuple[dict, Numerics]:

@@ -105,13 +105,21 @@ slct.b32.s32 $0, c, 0, bm1;
 SUBNORMAL_MAX_SCALE_BYTE = 128     # C = 2^(b-1) must be a finite bf16
 
 
-def scales_fit_subnormal(w_scale) -> bool:
-    """Whether every E8M0 byte of ``w_scale`` (uint8 or float8_e8m0fnu, any layout) is one the "subnormal"
-    mode decodes exactly (<= 128). Reads the array: call it once at weight-load time, not per step."""
+def scale_byte_max(w_scale) -> int | None:
+    """The largest E8M0 byte of ``w_scale`` (uint8 or float8_e8m0fnu, any layout); None if it is empty.
+    Reads the array: for weight-load time, not per step."""
     import jax
 
+    if not w_scale.size:
+        return None
     s = w_scale if w_scale.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w_scale, jnp.uint8)
-    return bool(jnp.max(s) <= SUBNORMAL_MAX_SCALE_BYTE) if s.size else True
+    return int(jnp.max(s))
+
+
+def scales_fit_subnormal(w_scale) -> bool:
+    """Whether every E8M0 byte of ``w_scale`` is one the "subnormal" mode decodes exactly (<= 128)."""
+    top = scale_byte_max(w_scale)
+    return top is None or top <= SUBNORMAL_MAX_SCALE_BYTE
 
 
 def dequant(q, b, mode: str = "packed"):
