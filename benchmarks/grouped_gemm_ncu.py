@@ -4,6 +4,14 @@
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
         -o $OUT/gg python3 benchmarks/grouped_gemm_ncu.py fp4-decode fp8-decode
     ncu --import $OUT/gg.ncu-rep --page details > $OUT/gg_details.txt
+    ncu --import $OUT/gg.ncu-rep --launch-skip 1 --launch-count 1 --page source --print-source sass --csv \
+        > $OUT/fp4_sass.csv
+    python3 benchmarks/grouped_gemm_ncu.py --summarize $OUT/fp4_sass.csv [weight elements]
+
+``--summarize`` reads a source-page CSV, or its .gz (any machine): instructions and stall samples by opcode, stall
+reasons, shared-memory wavefronts against the ideal, the hottest instruction's share of the samples
+(on 2026-12-04 the producer's barrier-wait branch), and, given the kernel's weight element count,
+thread-instructions per weight element.
 
 Cases (argv, in launch order): fp4-decode / fp8-decode (64 tokens x top-6) and fp4-prefill (8k x 6)
 at the V4.1-Flash expert shape (hidden 5120 -> width 2304, 384 experts), each with the model's tile
@@ -54,5 +62,49 @@ def main(names: list[str]) -> None:
         del w, s
 
 
+def summarize(csv_path: str, weight_elements: float | None = None) -> None:
+    import collections
+    import csv
+
+    import gzip
+
+    opener = gzip.open if csv_path.endswith(".gz") else open
+    with opener(csv_path, "rt") as f:
+        rows = list(csv.reader(f))
+    hdr = rows[1]
+    col = {h: i for i, h in enumerate(hdr)}
+
+    def num(r, key):
+        try:
+            return float(r[col[key]].replace(",", ""))
+        except (KeyError, ValueError, IndexError):
+            return 0.0
+
+    data = rows[2:]
+    inst, samp = collections.Counter(), collections.Counter()
+    for r in data:
+        words = r[col["Source"]].split()
+        op = (words[1] if words and words[0].startswith("@") else words[0] if words else "").split(".")[0]
+        inst[op] += num(r, "Instructions Executed")
+        samp[op] += num(r, "Warp Stall Sampling (All Samples)")
+    n_inst, n_samp = sum(inst.values()), sum(samp.values())
+    print(f"warp instructions {n_inst:.0f}, stall samples {n_samp:.0f}")
+    for op, c in inst.most_common(15):
+        print(f"  {op:10s} {c / n_inst:6.1%} of instructions  {samp[op] / n_samp:6.1%} of samples")
+    stalls = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    totals = sorted(((sum(num(r, h) for r in data), h) for h in stalls), reverse=True)
+    print("stall reasons: " + ", ".join(f"{h[6:]} {v / n_samp:.1%}" for v, h in totals[:8]))
+    wf, ideal = (sum(num(r, k) for r in data) for k in ("L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal"))
+    print(f"shared wavefronts {wf:.0f} vs ideal {ideal:.0f} ({1 - ideal / wf if wf else 0:.0%} excess)")
+    hot = max(data, key=lambda r: num(r, "Warp Stall Sampling (All Samples)"))
+    print(f"hottest instruction: {hot[col['Source']].strip()} "
+          f"{num(hot, 'Warp Stall Sampling (All Samples)') / n_samp:.1%} of samples")
+    if weight_elements:
+        print(f"thread-instructions per weight element: {n_inst * 32 / weight_elements:.2f}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["fp4-decode"])
+    if sys.argv[1:2] == ["--summarize"]:
+        summarize(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else None)
+    else:
+        main(sys.argv[1:] or ["fp4-decode"])
