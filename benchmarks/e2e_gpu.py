@@ -26,6 +26,8 @@ Sections:
   wall ms/step against GPU busy time and the longest idle gaps.
 * ptimeline: the prefill of the last --prompts length (replay off: every chunk runs every layer) under
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
+  With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
+  kernel is shown with the jax op it came from.
 * unroll: the decode step at --profile-batch and the first context with ``sinkhorn_unroll=False``
   (the mHC Sinkhorn rounds as a while loop, one host round trip per iteration; the GPU default since
   2026-12-04 is unrolled), to compare with the decode section's row for the same shape.
@@ -292,10 +294,37 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
     return _traced(run, steps, "step")
 
 
-def _traced(run, per: int, unit: str) -> dict:
+def _sites_from_dump(dump_dir: str | None, module: str) -> dict[str, str]:
+    """Kernel name -> jax op_name, from the optimized HLO that ``--xla_dump_to`` wrote for modules whose
+    name holds ``module`` (a trace names XLA's kernels by HLO instruction, not by the jax op)."""
+    if not dump_dir or not Path(dump_dir).is_dir():
+        return {}
+    sites: dict[str, str] = {}
+    for f in sorted(Path(dump_dir).glob(f"*{module}*after_optimizations.txt")):
+        sites.update(_hlo_sites(f.read_text()))
+    return sites
+
+
+def _site_of(name: str, sites: dict[str, str]) -> str:
+    key = name.split("(")[0]
+    return sites.get(key) or next((v for k, v in sites.items() if key.startswith(k + "_")), "")
+
+
+def _kernel_key(event) -> str:
+    """The event's name, with the launch shape for Pallas kernels: every Mosaic GPU kernel is named
+    ``entry_mosaic_gpu_kernel``, so the grid and block tell the attention from each expert GEMM."""
+    if "mosaic" not in event.name:
+        return event.name
+    stats = dict(event.stats)
+    details = " ".join(str(v) for k, v in stats.items() if "kernel_details" in k or k in ("grid", "block"))
+    shape = " ".join(t for t in details.split() if t.startswith(("grid", "block", "dynamic")))
+    return f"{event.name} [{shape or details[:80]}]"
+
+
+def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None) -> dict:
     """run() under jax.profiler -> wall ms and GPU busy ms per ``unit`` (run does ``per`` of them), the
     longest idle gaps between GPU events, and the busy time by kernel name (every launch in the trace,
-    unlike the CUPTI list)."""
+    unlike the CUPTI list), each with the jax op it came from where ``sites`` knows it."""
     import tempfile
 
     from jax.profiler import ProfileData
@@ -311,7 +340,7 @@ def _traced(run, per: int, unit: str) -> dict:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
-            events += [(e.start_ns, e.end_ns, e.name, line.name) for e in line.events]
+            events += [(e.start_ns, e.end_ns, _kernel_key(e), line.name) for e in line.events]
     events.sort()
     if not events:
         return dict(wall_ms=wall_ms, note="no GPU events in the trace (not a GPU)")
@@ -320,7 +349,7 @@ def _traced(run, per: int, unit: str) -> dict:
     by_name: dict[str, list] = {}
     for ev in events:
         start, stop, name, line = ev
-        agg = by_name.setdefault(name.split("(")[0][:100], [0.0, 0])
+        agg = by_name.setdefault(name.split("(")[0][:160], [0.0, 0])
         agg[0] += (stop - start) / 1e6 / per
         agg[1] += 1
         if start > end:
@@ -338,14 +367,16 @@ def _traced(run, per: int, unit: str) -> dict:
         f"{sorted({e[3] for e in events})[:8]}")
     for g in gaps[:15]:
         log(f"  gap {g[0]:8.3f} ms after {g[1]!r} before {g[2]!r}")
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
+    sites = sites or {}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:120]
     busy_unit = busy / 1e6 / per
-    log(f"timeline by kernel name (ms/{unit}, launches/{unit}, share of busy):")
-    for name, (ms, n) in top:
-        log(f"  {ms:8.3f} ms {n / per:6.0f}x {ms / busy_unit:6.1%}  {name}")
+    log(f"timeline by kernel name (ms/{unit}, launches/{unit}, share of busy; {len(sites)} HLO sites known):")
+    for name, (ms, n) in top[:40]:
+        log(f"  {ms:8.3f} ms {n / per:6.0f}x {ms / busy_unit:6.1%}  {name[:50]:50s} {_site_of(name, sites)[-110:]}")
     return dict(wall_ms=wall_ms, span_ms=span_ms / per, busy_ms=busy_unit, kinds_ms=kinds,
                 gaps=gaps[:40], n_events=len(events),
-                by_name=[dict(kernel=k, ms=v[0], launches=v[1] / per) for k, v in top])
+                by_name=[dict(kernel=k, ms=v[0], launches=v[1] / per, site=_site_of(k, sites)[-200:])
+                         for k, v in top])
 
 
 def run_prefill_timeline(m: Model, numerics: Numerics, prompt: int, chunk: int, bounded_replay: bool = False):
@@ -356,7 +387,8 @@ def run_prefill_timeline(m: Model, numerics: Numerics, prompt: int, chunk: int, 
     sch = scheduler(m, numerics, 1, prompt + 16, chunk, bounded_replay=bounded_replay)
     sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
     req = Request("traced", [int(x) for x in rng.integers(3, 120000, prompt)], SamplingParams(max_tokens=1))
-    rec = _traced(lambda: sch.run([req]), 1, "prompt")
+    sites = _sites_from_dump(os.environ.get("E2E_HLO_DUMP"), "prefill")
+    rec = _traced(lambda: sch.run([req]), 1, "prompt", sites)
     return dict(prompt=prompt, chunk=chunk, bounded_replay=bounded_replay, **rec)
 
 
@@ -378,7 +410,7 @@ def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
     return total
 
 
-def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int):
+def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True, False)):
     rows = []
     dense = RESULTS.get("dense_flops")
     max_len = max(prompts) + 16
@@ -386,7 +418,7 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int):
     last_source = max(m.cfg.kv_source_layer_ids)
     upper_share = sum(1 for i in range(m.cfg.num_hidden_layers) if i > last_source) / m.cfg.num_hidden_layers
     rng = np.random.default_rng(0)
-    for br in (True, False):
+    for br in replay:
         sch = scheduler(m, numerics, 1, max_len, chunk, bounded_replay=br)
         t = time.time()  # warm-up: compiles the prefill programs (and the upper one) at this engine shape
         sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
@@ -402,14 +434,14 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int):
             layer_macs = macs - m.params["head"]["weight"].size
             flops = 2 * (layer_macs * (1 - upper_share) * n + layer_macs * upper_share * (n - replay_from))
             flops += attention_core_flops(m.cfg, n, replay_from)
-            rec = dict(prompt=n, bounded_replay=br, seconds=s, tokens_per_s=n / s, flops=flops,
+            rec = dict(prompt=n, chunk=chunk, bounded_replay=br, seconds=s, tokens_per_s=n / s, flops=flops,
                        tflops=flops / s / 1e12, steps_skipping_upper=sch.skipped_upper - skipped0,
                        compile_s=compile_s, peak_bytes=peak_bytes())
             if dense:
                 rec["dense_fraction"] = flops / s / dense
             rows.append(rec)
-            line = (f"prefill {n:6d} tok, replay {'on ' if br else 'off'}: {s:7.2f} s {n / s:9.0f} tok/s "
-                    f"{rec['tflops']:6.1f} TFLOP/s")
+            line = (f"prefill {n:6d} tok, chunk {chunk}, replay {'on ' if br else 'off'}: {s:7.2f} s "
+                    f"{n / s:9.0f} tok/s {rec['tflops']:6.1f} TFLOP/s")
             if dense:
                 line += f" = {rec['dense_fraction']:.1%} of dense"
             line += f" (steps skipping upper layers: {rec['steps_skipping_upper']}; warm-up {compile_s:.0f} s)"
@@ -427,7 +459,10 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prompts", default="4096,32768")
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", default="1024", help="prefill chunk(s): the first serves every section; "
+                    "the prefill section runs each")
+    ap.add_argument("--replay", choices=("both", "on", "off"), default="both",
+                    help="prefill section: with bounded replay, without, or both")
     ap.add_argument("--xla-batches", default="1,16")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
@@ -439,8 +474,11 @@ def main(argv=None):
     want = set(args.sections.split(","))
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     batches, contexts, prompts = ints(args.batches), ints(args.contexts), ints(args.prompts)
+    chunks = ints(args.chunk)
+    args.chunk = chunks[0]
+    replay = {"both": (True, False), "on": (True,), "off": (False,)}[args.replay]
     if args.tiny:
-        batches, contexts, prompts, args.chunk = [1, 4], [40, 100], [64, 200], 32
+        batches, contexts, prompts, args.chunk, chunks = [1, 4], [40, 100], [64, 200], 32, [32]
         args.xla_batches, args.profile_batch = "1", 4
     log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers")
     if "ceil" in want:
@@ -470,7 +508,8 @@ def main(argv=None):
     if "profile" in want:
         section("profile", run_profile, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "prefill" in want:
-        section("prefill", run_prefill, out, m, numerics, prompts, args.chunk)
+        for i, c in enumerate(chunks):
+            section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:

@@ -106,6 +106,47 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     return pk_attn.sparse_sink_attention(q_bthd, kv_bsd, idx, sink_h, scale, config=config, impl=impl)
 
 
+def _compress_into(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_bt: jax.Array, src: dict,
+                   inv_freq: jax.Array, numerics: Numerics) -> dict:
+    """A KV-source layer's compressor: the entries its rows complete, written into its source cache ->
+    the new cache (compressed KV, index keys, pending partial blocks)."""
+    dt, kvq, eps = numerics.dtype, numerics.kv_quant, cfg.rms_norm_eps
+    lay = kv_codec.layouts(cfg)
+    src = dict(src)
+    latent, emits, pend = compressor.compress(p["compressor"], x_btd, pos_bt, plan.ratio,
+                                              {k: src[k] for k in ("pend_kv", "pend_score") if k in src},
+                                              eps=eps, numerics=numerics)
+    src.update(pend)
+    j = pos_bt // plan.ratio
+    key_pos = j * plan.ratio
+    ik = indexer.index_keys(p["indexer"], latent, key_pos, inv_freq, eps=eps, numerics=numerics)
+    ckv = apply_rope(latent, key_pos, inv_freq)
+    if numerics.fake_quant:
+        ckv = fake_quant_fp4_e4m3(ckv)
+    n_entries = src["kv"]["values"].shape[1]
+    j_write = jnp.where(emits, j, n_entries)  # out of range -> dropped
+    rows = jnp.arange(x_btd.shape[0])[:, None]
+    src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(lay.compressed, ckv, kvq, dt))
+    src["index_k"] = kv_codec.scatter(src["index_k"], rows, j_write, kv_codec.encode(lay.index_k, ik, kvq, dt))
+    return src
+
+
+def _select(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, qr: jax.Array, pos_bt: jax.Array,
+            src: dict, published: dict, inv_freq: jax.Array, numerics: Numerics) -> jax.Array:
+    """The indexer of a layer with its own index query: scores over the source's index keys, the
+    candidate mask it publishes or obeys, top-k -> idx [B, T, index_topk] (also published)."""
+    index_k = kv_codec.decode(kv_codec.layouts(cfg).index_k, src["index_k"], numerics.dtype)
+    scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, index_k, plan.ratio, inv_freq, numerics)
+    if plan.is_candidate_source:
+        published["candidate_mask"] = indexer.candidate_mask(
+            scores, pos_bt, plan.ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+    if plan.uses_candidate_mask:
+        scores = jnp.where(published["candidate_mask"], scores, -jnp.inf)
+    idx = indexer.select(scores, cfg.index_topk)
+    published[f"topk_{plan.layer_id}"] = idx
+    return idx
+
+
 def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_bt: jax.Array, layer_cache: dict,
               source_caches: dict, published: dict, numerics: Numerics) -> tuple[jax.Array, dict, dict]:
     """-> (out_btd, new window cache, updated source caches). ``published`` is updated in place."""
@@ -142,40 +183,19 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     elif plan.mode is not AttnMode.SWA:
         key = f"layer_{plan.kv_source}"
         if plan.mode is AttnMode.FULL:
-            src = dict(source_caches[key])
-            latent, emits, pend = compressor.compress(p["compressor"], x_btd, pos_bt, plan.ratio,
-                                                      {k: src[k] for k in ("pend_kv", "pend_score") if k in src},
-                                                      eps=eps, numerics=numerics)
-            src.update(pend)
-            j = pos_bt // plan.ratio
-            key_pos = j * plan.ratio
-            ik = indexer.index_keys(p["indexer"], latent, key_pos, inv_freq, eps=eps, numerics=numerics)
-            ckv = apply_rope(latent, key_pos, inv_freq)
-            if numerics.fake_quant:
-                ckv = fake_quant_fp4_e4m3(ckv)
-            n_entries = src["kv"]["values"].shape[1]
-            j_write = jnp.where(emits, j, n_entries)  # out of range -> dropped
-            rows = jnp.arange(b)[:, None]
-            src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(lay.compressed, ckv, kvq, dt))
-            src["index_k"] = kv_codec.scatter(src["index_k"], rows, j_write, kv_codec.encode(lay.index_k, ik, kvq, dt))
-            source_caches = {**source_caches, key: src}
+            with jax.named_scope("compressor"):
+                source_caches = {**source_caches, key: _compress_into(p, cfg, plan, x_btd, pos_bt,
+                                                                      source_caches[key], inv_freq, numerics)}
         src = source_caches[key]
         comp_kv = src["kv"]
         if plan.has_index_query:
-            index_k = kv_codec.decode(lay.index_k, src["index_k"], dt)
-            scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, index_k, plan.ratio,
-                                          inv_freq, numerics)
-            if plan.is_candidate_source:
-                published["candidate_mask"] = indexer.candidate_mask(
-                    scores, pos_bt, plan.ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-            if plan.uses_candidate_mask:
-                scores = jnp.where(published["candidate_mask"], scores, -jnp.inf)
-            idx = indexer.select(scores, cfg.index_topk)
-            published[f"topk_{plan.layer_id}"] = idx
+            with jax.named_scope("indexer"):
+                idx = _select(p, cfg, plan, x_btd, qr, pos_bt, src, published, inv_freq, numerics)
         else:
             idx = published[f"topk_{plan.index_source}"]
 
-    o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed)
+    with jax.named_scope("core"):
+        o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed)
     o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)

@@ -21,9 +21,10 @@ __all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", 
 
 
 def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics):
-    return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
-                     norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                     unroll=numerics.unroll_sinkhorn())
+    with jax.named_scope(f"mhc_{site}"):
+        return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
+                         norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                         unroll=numerics.unroll_sinkhorn())
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
@@ -53,14 +54,17 @@ def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, ca
     attn_pre = carried_pre if cfg.delayed_pre_mhc else a_pre
     x = rms_norm(mhc.pre_apply(x_bthd, attn_pre, dt), p["attn_norm"]["weight"], eps, dt)
     attend = attention if parallel is None else parallel.attention
-    attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, window_cache, sources, published, numerics)
+    with jax.named_scope("attention"):
+        attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, window_cache, sources, published,
+                                            numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
     f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg, numerics)
     x = rms_norm(mhc.pre_apply(x_bthd, a_pre if cfg.delayed_pre_mhc else f_pre, dt), p["ffn_norm"]["weight"], eps, dt)
     experts_impl = None if parallel is None else parallel.routed_experts
     hash_ids = tokens_bt.reshape(-1) if plan.hash_routed else None
-    x_bthd = mhc.post_apply(moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl, token_ids=hash_ids),
-                            x_bthd, f_post, f_comb, dt)
+    with jax.named_scope("moe"):
+        ffn_out = moe(p["ffn"], cfg, x, numerics, experts_impl=experts_impl, token_ids=hash_ids)
+    x_bthd = mhc.post_apply(ffn_out, x_bthd, f_post, f_comb, dt)
     return x_bthd, f_pre, new_win, sources
 
 
@@ -105,8 +109,9 @@ def forward_hidden(params: dict, cfg: ModelConfig, cache: dict, tokens_bt: jax.A
             x_bthd = edge(engram.inject(params["layers"][layer_id]["engram"], x_bthd, rows, eps=cfg.rms_norm_eps,
                                         numerics=numerics, act_block=cfg.act_quant_block))
         pos = positions_bt if layer_id <= last_source else upper_pos
-        x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache, published,
-                                   numerics, parallel, tokens_bt=tokens_bt)
+        with jax.named_scope(f"layer{layer_id}"):  # profiles and HLO dumps name each kernel's layer
+            x_bthd, pre, cache = block(params["layers"][layer_id], cfg, layer_id, x_bthd, pre, pos, cache,
+                                       published, numerics, parallel, tokens_bt=tokens_bt)
         x_bthd = edge(x_bthd)
         if return_layer_states:
             states.append(x_bthd)
