@@ -11,6 +11,8 @@ from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2
 from deepinfer_jax.model.rope import apply_rope
 from deepinfer_jax.model.selection import topk_desc, topk_positions
 
+INDEX_KEY_BLOCK = 4096   # index keys scored per block (see index_scores)
+
 
 def index_keys(p: dict, latent_btd: jax.Array, key_pos_bt: jax.Array, inv_freq, *, eps: float,
                numerics: Numerics) -> jax.Array:
@@ -31,9 +33,21 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     if numerics.fake_quant:
         iq = fake_quant_fp4_pow2(iq)
     w = plain_linear(x_btd, p["weights_proj"], numerics, jnp.float32) * (di ** -0.5 * hi ** -0.5)
-    dots = jnp.einsum("bthd,bsd->bths", iq.astype(jnp.float32), index_k_bsd.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
+    # Fake-quantized iq and K are E2M1 values times power-of-two scales: exact in bf16, and a bf16 x bf16
+    # product is exact in fp32. So bf16 operands with fp32 accumulation give the fp32 products on the
+    # tensor cores; fp32 operands ran on the GPU's fp32 units at 1/15 the rate (855 of 5,328 ms of a
+    # 32k prefill on the H200, benchmarks/NOTES.md). Unquantized (exact) numerics keep fp32 operands.
+    op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
+    iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
+    # The per-head dots [B, T, H, S] are materialized in fp32 before the relu and the head sum: 8 GiB at
+    # a 2048-token chunk over 32k keys, which ran the H200 out of memory. Key blocks bound it; each
+    # score is still the sum over its own heads, so blocking changes no row's inputs.
+    parts = []
+    for s0 in range(0, keys.shape[1], INDEX_KEY_BLOCK):
+        dots = jnp.einsum("bthd,bsd->bths", iq, keys[:, s0:s0 + INDEX_KEY_BLOCK],
+                          precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        parts.append(jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST))
+    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < ((pos_bt + 1) // ratio)[..., None]
     return jnp.where(visible & (pos_bt >= 0)[..., None], scores, -jnp.inf)
 
