@@ -497,62 +497,78 @@ def _cfg(bm, bn, bk, stages, **extra):
 
 
 _SUB, _PERS, _NOSW = dict(fp4_dequant="subnormal"), dict(persistent=True), dict(swizzle_weights=False)
+_PS = {**_PERS, **_SUB}
 
 
-# (format, phase, tokens index, configs): the first config of each case is the reference for the bitwise
+# (format, phase, tokens, configs): the first config of each case is the reference for the bitwise
 # check (rows must not change with the tiles: only speed may). Round 1 (2026-12-03) compared the old
 # default 64x128x128x4 with smaller / wider tiles (results/grouped_gemm_sweep_2026-12-03.json); round 2
 # starts from round 1's winners (the model's tuned_config) and tries deeper weight pipelines for FP4 decode.
 _SWEEP_ROUNDS = {
     "1": (
-        (WeightFormat.FP4, "decode", 0, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 128, 8),
+        (WeightFormat.FP4, "decode", 64, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 128, 8),
                                         _cfg(16, 128, 256, 8), _cfg(8, 128, 256, 8), _cfg(16, 256, 128, 6),
                                         _cfg(16, 128, 512, 4))),
-        (WeightFormat.FP4, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 256, 8),
+        (WeightFormat.FP4, "decode", 512, (_cfg(64, 128, 128, 4), _cfg(32, 128, 128, 4), _cfg(16, 128, 256, 8),
                                         _cfg(32, 128, 256, 6), _cfg(16, 256, 128, 6))),
-        (WeightFormat.FP4, "prefill", 3, (_cfg(64, 128, 128, 4), _cfg(128, 128, 128, 4), _cfg(128, 128, 64, 6),
+        (WeightFormat.FP4, "prefill", 32768, (_cfg(64, 128, 128, 4), _cfg(128, 128, 128, 4), _cfg(128, 128, 64, 6),
                                          _cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3))),
-        (WeightFormat.FP8, "decode", 1, (_cfg(64, 128, 128, 4), _cfg(16, 128, 256, 6), _cfg(16, 128, 128, 8))),
+        (WeightFormat.FP8, "decode", 512, (_cfg(64, 128, 128, 4), _cfg(16, 128, 256, 6), _cfg(16, 128, 128, 8))),
     ),
     "2": (
-        (WeightFormat.FP4, "decode", 0, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
+        (WeightFormat.FP4, "decode", 64, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
                                         _cfg(16, 256, 128, 10), _cfg(16, 256, 64, 12), _cfg(16, 256, 128, 4),
                                         _cfg(16, 128, 128, 6), _cfg(8, 256, 128, 8))),
-        (WeightFormat.FP4, "decode", 1, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 6), _cfg(16, 256, 128, 8), _cfg(16, 256, 256, 4),
                                         _cfg(16, 256, 128, 10), _cfg(32, 256, 128, 6))),
-        (WeightFormat.FP4, "mid", 2, (_cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3), _cfg(64, 256, 64, 6),
+        (WeightFormat.FP4, "mid", 8192, (_cfg(64, 256, 128, 4), _cfg(128, 256, 64, 3), _cfg(64, 256, 64, 6),
                                      _cfg(32, 256, 128, 6))),
-        (WeightFormat.FP8, "decode", 1, (_cfg(16, 128, 256, 5), _cfg(16, 256, 128, 6), _cfg(16, 128, 128, 10))),
+        (WeightFormat.FP8, "decode", 512, (_cfg(16, 128, 256, 5), _cfg(16, 256, 128, 6), _cfg(16, 128, 128, 10))),
     ),
     # Round 3 (2026-12-04): the tuned tiles with the "subnormal" FP4 decoder (2.5 ALU ops per element
     # instead of 3.75: does the decode rate follow the ALU work?) and with the persistent launch (one CTA
     # per SM, the TMA ring kept full across items: does it follow the per-CTA fill and drain?).
     "3": (
-        (WeightFormat.FP4, "decode", 0, (_cfg(16, 256, 128, 8), _cfg(16, 256, 128, 8, **_SUB),
+        (WeightFormat.FP4, "decode", 64, (_cfg(16, 256, 128, 8), _cfg(16, 256, 128, 8, **_SUB),
                                         _cfg(16, 256, 128, 8, **_PERS), _cfg(16, 256, 128, 8, **_SUB, **_PERS),
                                         _cfg(16, 128, 128, 8, **_SUB, **_PERS))),
-        (WeightFormat.FP4, "decode", 1, (_cfg(16, 256, 128, 8), _cfg(16, 256, 128, 8, **_SUB),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8), _cfg(16, 256, 128, 8, **_SUB),
                                         _cfg(16, 256, 128, 8, **_PERS), _cfg(16, 256, 128, 8, **_SUB, **_PERS))),
-        (WeightFormat.FP4, "prefill", 3, (_cfg(128, 256, 64, 3), _cfg(128, 256, 64, 3, **_SUB),
+        (WeightFormat.FP4, "prefill", 32768, (_cfg(128, 256, 64, 3), _cfg(128, 256, 64, 3, **_SUB),
                                          _cfg(128, 256, 64, 3, **_PERS), _cfg(128, 256, 64, 3, **_SUB, **_PERS))),
-        (WeightFormat.FP8, "decode", 1, (_cfg(16, 256, 128, 5), _cfg(16, 256, 128, 5, **_PERS))),
+        (WeightFormat.FP8, "decode", 512, (_cfg(16, 256, 128, 5), _cfg(16, 256, 128, 5, **_PERS))),
     ),
     # Round 4 (2026-12-04): ncu on round 3's FP4 decode kernel showed the producer waiting on the ring
     # (consumer-bound), the consumers stalled on shared-memory loads (short scoreboard) and those loads
     # 4-way bank-conflicted (60 % excess wavefronts). Swizzled weight tiles (``swizzle_weights``) vs
     # the unswizzled ones (the first of each case, round 3's best).
     "4": (
-        (WeightFormat.FP4, "decode", 0, (_cfg(16, 256, 128, 8, **_PERS, **_NOSW), _cfg(16, 256, 128, 8, **_PERS),
+        (WeightFormat.FP4, "decode", 64, (_cfg(16, 256, 128, 8, **_PERS, **_NOSW), _cfg(16, 256, 128, 8, **_PERS),
                                         _cfg(16, 256, 128, 8, **_PERS, **_SUB))),
-        (WeightFormat.FP4, "decode", 1, (_cfg(16, 256, 128, 8, **_PERS, **_NOSW), _cfg(16, 256, 128, 8, **_PERS),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8, **_PERS, **_NOSW), _cfg(16, 256, 128, 8, **_PERS),
                                         _cfg(16, 256, 128, 8, **_PERS, **_SUB))),
-        (WeightFormat.FP4, "prefill", 3, (_cfg(128, 256, 64, 3, **_PERS, **_NOSW), _cfg(128, 256, 64, 3, **_PERS),
+        (WeightFormat.FP4, "prefill", 32768, (_cfg(128, 256, 64, 3, **_PERS, **_NOSW), _cfg(128, 256, 64, 3, **_PERS),
                                          _cfg(128, 256, 64, 3, **_PERS, **_SUB))),
-        (WeightFormat.FP8, "decode", 1, (_cfg(16, 256, 128, 5, **_NOSW), _cfg(16, 256, 128, 5),
+        (WeightFormat.FP8, "decode", 512, (_cfg(16, 256, 128, 5, **_NOSW), _cfg(16, 256, 128, 5),
                                         _cfg(16, 256, 128, 5, **_PERS))),
     ),
+    # Round 5 (2026-12-04): prefill chunks of 1024-2048 tokens put 16-32 rows on each expert. A 32k prefill
+    # spent 2.5 of its 5.3 s in Mosaic kernels: with 16-row tiles an expert of 17-32 rows takes two tiles,
+    # so its weights are read and dequantized twice, and the kernel is dequant-bound. Wider M tiles.
+    "5": (
+        (WeightFormat.FP4, "chunk", 1024, (_cfg(16, 256, 128, 8, **_PS), _cfg(32, 256, 128, 8, **_PS),
+                                          _cfg(64, 256, 128, 6, **_PS), _cfg(32, 128, 128, 8, **_PS),
+                                          _cfg(64, 128, 128, 6, **_PS))),
+        (WeightFormat.FP4, "chunk", 2048, (_cfg(128, 256, 64, 3, **_PS), _cfg(32, 256, 128, 8, **_PS),
+                                          _cfg(64, 256, 128, 6, **_PS), _cfg(64, 128, 128, 6, **_PS),
+                                          _cfg(16, 256, 128, 8, **_PS))),
+    ),
+    # Round 6 (2026-12-04): where the 64-row tiles stop paying: 64 rows per expert (4096-token chunks).
+    "6": (
+        (WeightFormat.FP4, "chunk", 4096, (_cfg(128, 256, 64, 3, **_PS), _cfg(64, 256, 128, 6, **_PS))),
+    ),
 }
-SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "4")
+SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
 
 
 @section("sweep", 30)
@@ -561,9 +577,8 @@ def _():
     out = {}
     ceil_copy = CEIL.get("copy_tb_s")
     iters = 1 if INTERPRET else 10
-    for fmt, phase, tok_i, cfgs in _SWEEP_ROUNDS[SWEEP_ROUND]:
+    for fmt, phase, tokens, cfgs in _SWEEP_ROUNDS[SWEEP_ROUND]:
         w, s = weights(fmt)
-        tokens = TOKENS[tok_i]
         m = tokens * TOP_K
         gid = routing(jax.random.key(tokens), tokens)
         x = rows(jax.random.key(tokens + 1), m)

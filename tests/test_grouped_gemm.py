@@ -489,14 +489,20 @@ def test_tuned_config_fits_the_v41_expert_shapes_and_depends_on_shapes_only():
     from pallas_kernels.grouped_gemm.config import tuned_config
 
     for fmt in ALL_FORMATS:
-        for m in (6, 64 * 6, 512 * 6, 4096 * 6, 32768 * 6):
+        for m in (6, 64 * 6, 512 * 6, 1024 * 6, 2048 * 6, 4096 * 6, 32768 * 6):
             for n, k in ((2304, 5120), (5120, 2304)):       # w1/w3 and w2 of V4.1-Flash
                 cfg = tuned_config(m, 384, n, k, fmt)
                 assert kernel_unsupported_reason(n, k, fmt, cfg, jnp.float32) is None, (fmt, m, n, k, cfg)
                 assert cfg == tuned_config(m, 384, n, k, fmt)
-    # decode pads each expert's one or two rows to 16, not 64; prefill gets full 128-row tiles
+    # decode pads each expert's one or two rows to 16, not 64; a 1024-2048-token prefill chunk (16-32
+    # rows per expert) takes 64-row tiles; long prefill gets full 128-row tiles
     assert tuned_config(64 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 16
+    assert tuned_config(512 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 16
+    for tokens in (1024, 2048):
+        cfg = tuned_config(tokens * 6, 384, 2304, 5120, WeightFormat.FP4)
+        assert (cfg.block_m, cfg.block_n, cfg.persistent) == (64, 256, True)
     assert tuned_config(32768 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 128
+    assert tuned_config(2048 * 6, 384, 2304, 5120, WeightFormat.FP8).block_m == 128   # FP8: not swept
     # nothing fits a 64-wide N: the base config comes back (and the kernel route reports why)
     base = GroupedMatmulConfig(xla_block_m=5)
     assert tuned_config(6, 8, 64, 128, WeightFormat.FP4, base=base) is base

@@ -190,7 +190,12 @@ def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> Groupe
 #     1.333 persistent (0.82 of copy); FP4 decode 64x6 0.764 -> 0.752 ms, and 0.615 (0.59 of copy) with
 #     the "subnormal" decoder, which the model picks when the scales allow it (moe._tile_config). Prefill
 #     unchanged (558-566 TFLOP/s). Bitwise equal throughout.
-_PERSISTENT = {(WeightFormat.FP4, "decode"), (WeightFormat.FP4, "prefill"), (WeightFormat.FP8, "decode")}
+#   prefill chunks (2026-12-04, round 5, results/grouped_gemm_sweep5_2026-12-04.json): at 1024-2048 tokens
+#     (16-32 rows per expert) 64x256x128x4 persistent took 1.20 ms for either, against 1.35 ms for the
+#     16-row tiles at 1024 (experts above 16 rows take two tiles and dequantize twice) and 1.90 ms for
+#     the 128-row tiles at 2048. FP8 and bf16 keep the decode / prefill split at 32 rows (not swept).
+_PERSISTENT = {(WeightFormat.FP4, "decode"), (WeightFormat.FP4, "chunk"), (WeightFormat.FP4, "prefill"),
+               (WeightFormat.FP8, "decode")}
 _DECODE_CANDIDATES = {
     WeightFormat.FP4: ((16, 256, 128, 8), (16, 128, 128, 8)),
     WeightFormat.FP8: ((16, 256, 128, 5), (16, 128, 256, 5)),
@@ -203,7 +208,22 @@ _PREFILL_CANDIDATES = {
     WeightFormat.FP8: ((128, 128, 128, 4), (64, 128, 128, 4)),
     WeightFormat.BF16: ((128, 128, 64, 4), (64, 128, 128, 4)),
 }
+_CHUNK_CANDIDATES = {
+    WeightFormat.FP4: ((64, 256, 128, 4), (64, 128, 128, 6)),
+}
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
+# FP4 (the formats with chunk candidates): decode tiles below 12 mean rows per expert (measured best at
+# 1 and 8), 64-row tiles up to 64, 128-row tiles above (best at 128: results/grouped_gemm_sweep2_*).
+CHUNK_ROWS_PER_GROUP = (12, 64)
+
+
+def tile_phase(m_rows: int, num_groups: int, fmt: WeightFormat) -> str:
+    """"decode", "chunk" or "prefill": which candidate list serves M rows over G groups (a static choice)."""
+    per_group = m_rows / max(num_groups, 1)
+    if fmt in _CHUNK_CANDIDATES:
+        lo, hi = CHUNK_ROWS_PER_GROUP
+        return "decode" if per_group < lo else "chunk" if per_group < hi else "prefill"
+    return "decode" if per_group < DECODE_ROWS_PER_GROUP else "prefill"
 
 
 def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat, out_dtype=jnp.float32,
@@ -213,8 +233,8 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
     A pure function of static shapes: a jitted step of fixed shape always runs one config. Falls back
     to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
     Fields other than the tile shape and the launch (dequant mode, XLA tile) are taken from ``base``."""
-    phase = "decode" if m_rows / max(num_groups, 1) < DECODE_ROWS_PER_GROUP else "prefill"
-    cands = (_DECODE_CANDIDATES if phase == "decode" else _PREFILL_CANDIDATES)[fmt]
+    phase = tile_phase(m_rows, num_groups, fmt)
+    cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
     for bm, bn, bk, st in cands:
         cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st,
                                              persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)
