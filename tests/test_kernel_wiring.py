@@ -17,6 +17,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import deepinfer_jax.model.moe as moe_module
 from deepinfer_jax.model import kv_codec
 from deepinfer_jax.model.attention import attention_core, sink_attention, sparse_inputs
 from deepinfer_jax.model.moe import moe, routed_experts, routed_experts_gather, route
@@ -203,8 +204,17 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
     # Each interpreter run is one blocking jitted call with nothing else in flight: the interpreter runs
     # its warpgroups as computations launched from a host callback, and with other work queued on the
     # CPU client's few threads (2 cores, -n 2) that starved and hung on 2026-12-02 and 2026-12-04.
-    got_routed = jax.block_until_ready(jax.jit(
-        lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq), 32))(x.reshape(5, 128)))
+    tiled_calls = []
+    with pytest.MonkeyPatch.context() as mp:   # count the shared-plan path, so the bitwise check below is real
+        real = moe_module._routed_experts_tiled
+        mp.setattr(moe_module, "_routed_experts_tiled", lambda *a: tiled_calls.append(1) or real(*a))
+        got_routed = jax.block_until_ready(jax.jit(
+            lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq), 32))(x.reshape(5, 128)))
+    assert tiled_calls == [1]
+    # One tile plan for w1, w3 and w2 gives each row the bits of a plan per GEMM.
+    per_gemm = jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(
+        p["experts"], xm, ids, w, 10.0, nq, 32, "interpret", tiled=False))(x.reshape(5, 128)))
+    assert np.array_equal(np.asarray(got_routed), np.asarray(per_gemm))
     ops_routed = routed_experts(p["experts"], x.reshape(5, 128), ids, w, 10.0, _mode("ops", nq), 32)
     gather = routed_experts_gather(p["experts"], x.reshape(5, 128), ids, w, 10.0, nq, 32)
     tol = _routed_tol(p["experts"], x.reshape(5, 128), ids, w, 10.0)

@@ -218,18 +218,33 @@ def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[
 
 
 def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
-                           numerics: Numerics, act_block: int, impl: str | None = None) -> jax.Array:
+                           numerics: Numerics, act_block: int, impl: str | None = None,
+                           tiled: bool = True) -> jax.Array:
     """``routed_experts_gather`` on ``pallas_kernels.grouped_gemm.grouped_matmul`` -> [M, k, D] fp32.
 
     Rows are the (token, rank) pairs; the op sorts them by expert, runs fixed-size one-expert tiles and
     returns each row's result unchanged by its neighbours. Same quantizer sites as the gather path; the
     products are the same (bf16 x exactly-dequantized weights, fp32 accumulation), only the summation
     order differs. impl: ``grouped_matmul``'s impl (None = automatic), or "interpret" = the Pallas kernel
-    in the Mosaic GPU interpreter (CPU tests)."""
+    in the Mosaic GPU interpreter (CPU tests). tiled: on the Pallas kernel, run the three GEMMs on one
+    tile plan (``_routed_experts_tiled``; same row bits, less work around the kernel)."""
     from pallas_kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+    from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
     m, k = ids_mk.shape
     gid = ids_mk.reshape(m * k).astype(jnp.int32)
+    if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
+        if impl == "interpret":
+            # The interpreter's wgmma reads shared memory only: stage the dequantized tile there; small
+            # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
+            cfg = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
+            cfgs = dict.fromkeys(("w1", "w3", "w2"), cfg)
+        else:
+            cfgs = {name: _tile_config(p_exp[name], m * k, numerics) for name in ("w1", "w3", "w2")}
+        fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
+        if len({c.block_m for c in cfgs.values()}) == 1 and fmts["w1"] == fmts["w3"]:
+            return _routed_experts_tiled(p_exp, x_md, gid, w_mk, limit, numerics, act_block, cfgs,
+                                         {n: f.value == "fp4" for n, f in fmts.items()}, impl == "interpret")
 
     def mm(x, name):
         w, s, prepared = _kernel_weights(p_exp[name])
@@ -253,6 +268,45 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     hid = swiglu(g, u, limit) * w_mk.reshape(m * k)[:, None]
     hid = act_quant(hid.astype(numerics.dtype), numerics, act_block)
     return mm(hid.astype(jnp.bfloat16), "w2").reshape(m, k, -1)
+
+
+def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
+                          numerics: Numerics, act_block: int, cfgs: dict, fp4: dict, interpret: bool) -> jax.Array:
+    """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
+
+    The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 that was
+    0.18 ms per GEMM at decode 64 x 6 and 0.95 ms at a 2048-token prefill chunk, against 0.62 / 1.20 ms
+    of kernel (results/grouped_gemm_sweep{4,5}_2026-12-04.json). Here one sort and one gather feed w1
+    and w3, the swiglu runs on their transposed tile-order results, w2 reads those rows transposed back,
+    and only its result is scattered. Every row meets the same kernel, tiles and elementwise ops as on
+    the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, retile, tile_rows, untile_rows
+
+    m, k = w_mk.shape
+    w1 = p_exp["w1"]["weight"]
+
+    def run(x_pk, name):
+        w, s, prepared = _kernel_weights(p_exp[name])
+        return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
+                                    scales_prepared=prepared)
+
+    def kernels(fn):
+        if not interpret:
+            return fn()
+        from pallas_kernels.interpret import gpu_interpreter
+
+        with gpu_interpreter():
+            return fn()
+
+    xq = act_quant(x_md, numerics, act_block)
+    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
+    plan, x_pk = tile_rows(x_rows, gid, num_groups=w1.shape[0], block_m=cfgs["w1"].block_m, fp4=fp4["w1"])
+    g_np, u_np = kernels(lambda: (run(x_pk, "w1"), run(x_pk, "w3")))   # [inter, T*block_m] in tile order
+    w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
+    hid_np = swiglu(g_np, u_np, limit) * w_p[None, :]
+    hid_np = act_quant(hid_np.astype(numerics.dtype).T, numerics, act_block).T   # row-local, as before
+    y_np = kernels(lambda: run(retile(hid_np, fp4=fp4["w2"]), "w2"))
+    return untile_rows(y_np, plan, jnp.float32).reshape(m, k, -1)
 
 
 def _auto_selection():
@@ -295,13 +349,17 @@ def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: 
     first num_hash_layers), whose experts come from ``gate.tid2eid`` (hash_routing.py)."""
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)
-    if token_ids is not None:
-        ids, w = hash_route(p["gate"], cfg, x, token_ids)
-    else:
-        ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
+    with jax.named_scope("router"):
+        if token_ids is not None:
+            ids, w = hash_route(p["gate"], cfg, x, token_ids)
+        else:
+            ids, w = route(p["gate"], cfg, x, top_k or cfg.num_experts_per_tok)
     ab = cfg.act_quant_block
-    routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics, ab)
-    y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None, numerics, ab)
+    with jax.named_scope("routed"):
+        routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics, ab)
+    with jax.named_scope("shared"):
+        y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None,
+                          numerics, ab)
     for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
         y = y + routed[:, k]
     return y.astype(numerics.dtype).reshape(b, t, d)

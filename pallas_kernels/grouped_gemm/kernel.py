@@ -44,7 +44,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
                                                 kernel_unsupported_reason)
-from pallas_kernels.grouped_gemm.plan import bucketed_tiles, gather_rows, make_tile_plan, max_tiles, scatter_back
+from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_rows, make_tile_plan, max_tiles,
+                                              scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
 
@@ -380,6 +381,56 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
 
 
 _kernel_scales_jit = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
+
+
+# ---- the op in three parts, for callers that chain GEMMs on the same rows (an expert FFN) -------------
+# One plan and one gather serve w1 and w3; their y^T tiles [N, T*block_m] stay in tile order for the
+# elementwise work between the GEMMs (no transpose), w2 reads ``retile``'s transpose of them, and only
+# w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
+
+def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
+              fp4: bool) -> tuple[TilePlan, jax.Array]:
+    """-> (plan, x_pk [T*block_m, K]): rows sorted by group, padded to whole tiles (zeros), and for FP4
+    weights in the kernel's K order. T is the exact bound ``max_tiles`` (these calls run inside a jit)."""
+    t = max_tiles(x_mk.shape[0], num_groups, block_m)
+    return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4)
+
+
+def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
+    """Tile-order activations transposed [K, T*block_m] (a previous ``grouped_matmul_tiles``' y^T, after
+    elementwise work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4."""
+    x_pk = h_kp.T.astype(jnp.bfloat16)
+    return jnp.take(x_pk, fp4_k_permutation(x_pk.shape[1]), axis=1) if fp4 else x_pk
+
+
+def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
+                         out_dtype=jnp.float32, config: GroupedMatmulConfig = GroupedMatmulConfig(),
+                         scales_prepared: bool = False) -> jax.Array:
+    """The kernel on ``tile_rows`` / ``retile`` rows -> y^T [N, T*block_m] in tile order (padding
+    columns hold zeros' results); ``untile_rows`` brings it back to row order. config.block_m must be
+    the plan's."""
+    if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
+        raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
+                         f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
+    if scales_prepared:
+        if w_scale is None:
+            raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
+        fmt = check_prepared(w, w_scale)
+        n, s_kernel = w.shape[1], w_scale
+        if x_pk.shape[1] != w.shape[2] * (2 if fmt is WeightFormat.FP4 else 1):
+            raise ValueError(f"x_pk has K={x_pk.shape[1]} but w {w.shape} ({fmt.value}) does not")
+    else:   # (the group ids are the plan's: only their shape and dtype are checked here)
+        fmt, _, n, _ = check_inputs(x_pk, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale)
+        s_kernel = None if fmt is WeightFormat.BF16 else _kernel_scales_jit(w_scale, fmt=fmt, n=n)
+    k = x_pk.shape[1]
+    if (why := kernel_unsupported_reason(n, k, fmt, config, out_dtype)) is not None:
+        raise ValueError(f"grouped_matmul_tiles cannot run this problem: {why}")
+    return _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+
+
+def untile_rows(y_np: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.Array:
+    """y^T [N, T*block_m] in tile order -> [M, N] in the caller's row order (0 for dropped rows)."""
+    return _unpermute(y_np, plan, out_dtype=out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4"))
