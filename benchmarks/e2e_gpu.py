@@ -465,6 +465,8 @@ def main(argv=None):
                     help="prefill section: with bounded replay, without, or both")
     ap.add_argument("--xla-batches", default="1,16")
     ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--kernels", default=None, help='Numerics.kernels for every section, e.g. "indexer=pallas" '
+                    "(default: the engine's automatic choice)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -480,13 +482,17 @@ def main(argv=None):
     if args.tiny:
         batches, contexts, prompts, args.chunk, chunks = [1, 4], [40, 100], [64, 200], 32, [32]
         args.xla_batches, args.profile_batch = "1", 4
-    log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers")
+    log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers; "
+        f"kernels {args.kernels or 'auto'}")
+    RESULTS["kernels"] = args.kernels or "auto"
     if "ceil" in want:
         section("ceilings", ceilings, out, args.tiny)
     t = time.time()
     cfg = slice_config(args.layers, tiny_widths=args.tiny)
     params = random_params(cfg)
     numerics = Numerics.reference()
+    if args.kernels:
+        numerics = dataclasses.replace(numerics, kernels=args.kernels)
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     if experts_run_kernel(numerics):     # as the engine (LLM) does: kernel-layout expert scales, once
         params, numerics = prepare_experts_for_kernel(params, numerics)

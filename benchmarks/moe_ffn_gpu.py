@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from timing import median_ms   # benchmarks/timing.py (the script's folder is on sys.path)
 from deepinfer_jax.model.moe import prepare_experts_for_kernel, routed_experts_grouped
 from deepinfer_jax.model.numerics import Numerics
 from pallas_kernels.registry import PALLAS_MOSAIC_GPU
@@ -34,16 +33,6 @@ def fp4_linear(key, n: int, k: int, experts: int) -> dict:
     w = jax.random.randint(kw, (experts, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     s = jax.random.randint(ks, (experts, n, k // 32), 118, 128, jnp.int32).astype(jnp.uint8)
     return {"weight": w, "scale": s}
-
-
-def timed_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -73,7 +62,7 @@ def main(argv=None) -> int:
             fn = jax.jit(lambda x, ids, w, tiled=tiled: routed_experts_grouped(
                 p_exp, x, ids, w, 10.0, numerics, 32, impl, tiled=tiled))
             outs[tiled] = fn(x, ids, w)
-            ms[tiled] = timed_ms(fn, x, ids, w, reps=args.reps)
+            ms[tiled] = median_ms(fn, x, ids, w, reps=args.reps)
         same = bool(jnp.array_equal(jax.lax.bitcast_convert_type(outs[False], jnp.uint32),
                                     jax.lax.bitcast_convert_type(outs[True], jnp.uint32)))
         rows.append(dict(tokens=tokens, per_gemm_ms=ms[False], shared_plan_ms=ms[True],

@@ -24,6 +24,7 @@ from deepinfer_jax.model.cache import cache_shapes
 from deepinfer_jax.model.numerics import ENGINE_NUMERICS, Numerics, as_numerics
 from deepinfer_jax.sharding import (DEFAULT_RULES, MeshSpec, ShardingRules, abstract_params, leaf_spec, local_shape,
                                     tree_paths, validate_model_mesh)
+from pallas_kernels.indexer.xla import KEY_BLOCK as INDEX_KEY_BLOCK
 
 
 class PlanError(MemoryError):
@@ -261,7 +262,8 @@ def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slot
     stream = 3 * m * hc * d * f32  # x, the mixed streams and the new streams of mhc.post_apply
 
     # attention: queries, window + selected keys (fp32), scores and exponentials over W+T+K keys,
-    # plus for indexed layers the index scores over every compressed entry of the longest source.
+    # plus for indexed layers the index scores over every compressed entry of the longest source (the
+    # fp32 per-head dots of one key block of the XLA path at a time: pallas_kernels/indexer/xla.py).
     keys = w + step_tokens + topk
     attn = (m * h_loc * hd * f32 + b_loc * (w + step_tokens) * hd * f32 + m * topk * hd * f32
             + 2 * m * h_loc * keys * f32 + 2 * m * h_loc * hd * f32)
@@ -269,7 +271,7 @@ def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slot
     for plan in cfg.layer_plans:
         if plan.mode in (AttnMode.FULL, AttnMode.REINDEX):
             s = -(-max_len // plan.ratio)
-            index = max(index, m * cfg.index_n_heads * s * f32 + 2 * m * s * f32 + m * s
+            index = max(index, m * cfg.index_n_heads * min(s, INDEX_KEY_BLOCK) * f32 + 2 * m * s * f32 + m * s
                         + b_loc * s * cfg.index_head_dim * act)
     # routed experts. gather path (model.moe.routed_experts_gather): each token's k experts dequantized
     # per matrix ([M, k, inter, D]; the fp32 nibble tables of dequant_fp4 while one matrix is built, the

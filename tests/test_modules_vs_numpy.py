@@ -161,13 +161,6 @@ def test_index_scores_fake_quant_bf16_operands_are_exact():
     want = ref.index_scores(iq, (x @ wp.T) * di ** -0.5 * hi ** -0.5, k, pos, 1)
     # fp32 sums of 64 exact products and 4 heads: a few ulp of the largest term, 1e-5 of the row max.
     close(np.where(np.isfinite(want), np.asarray(ours), 0), np.where(np.isfinite(want), want, 0))
-    # Key blocks (a partial last one too) score every key exactly as one block does.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(indexer, "INDEX_KEY_BLOCK", 12)
-        blocked = indexer.index_scores(p, cfg, jnp.asarray(x[None], jnp.float32), jnp.asarray(qr[None], jnp.float32),
-                                       jnp.asarray(pos[None]), jnp.asarray(k[None], jnp.float32), 1, inv_freq,
-                                       quantized)[0]
-    assert np.array_equal(np.asarray(blocked), np.asarray(ours))
 
 
 def test_select_ties_go_to_lower_index():

@@ -7,11 +7,13 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.linear import plain_linear, quant_linear
-from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2, kernel_route
 from deepinfer_jax.model.rope import apply_rope
 from deepinfer_jax.model.selection import topk_desc, topk_positions
-
-INDEX_KEY_BLOCK = 4096   # index keys scored per block (see index_scores)
+from pallas_kernels.indexer import (IndexScoresConfig, index_scores as index_scores_op, index_scores_xla,
+                                    kernel_unsupported_reason)
+from pallas_kernels.indexer.config import QUERY_ROWS
+from pallas_kernels.registry import AUTO
 
 
 def index_keys(p: dict, latent_btd: jax.Array, key_pos_bt: jax.Array, inv_freq, *, eps: float,
@@ -39,17 +41,25 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # 32k prefill on the H200, benchmarks/NOTES.md). Unquantized (exact) numerics keep fp32 operands.
     op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
     iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
-    # The per-head dots [B, T, H, S] are materialized in fp32 before the relu and the head sum: 8 GiB at
-    # a 2048-token chunk over 32k keys, which ran the H200 out of memory. Key blocks bound it; each
-    # score is still the sum over its own heads, so blocking changes no row's inputs.
-    parts = []
-    for s0 in range(0, keys.shape[1], INDEX_KEY_BLOCK):
-        dots = jnp.einsum("bthd,bsd->bths", iq, keys[:, s0:s0 + INDEX_KEY_BLOCK],
-                          precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        parts.append(jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST))
-    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-    visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < ((pos_bt + 1) // ratio)[..., None]
-    return jnp.where(visible & (pos_bt >= 0)[..., None], scores, -jnp.inf)
+    n_visible = jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0)
+    # The kernel serves prefill chunks of fake-quantized values; decode steps (T = 1: its 64-query tiles
+    # would be padding) and exact fp32 numerics always score here, whatever Numerics.kernels says.
+    route, impl = "model", None
+    if numerics.fake_quant and t >= QUERY_ROWS:
+        route, impl = kernel_route(numerics, "indexer", "index_scores",
+                                   kernel_unsupported_reason(hi, di, IndexScoresConfig()))
+    if route == "model":
+        scores = index_scores_xla(iq, keys, w)
+    elif impl == "interpret":
+        from pallas_kernels.indexer.kernel import index_scores_pallas
+        from pallas_kernels.interpret import gpu_interpreter
+
+        with gpu_interpreter():
+            scores = index_scores_pallas(iq, keys, w, n_visible)
+    else:
+        scores = index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
+    visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < n_visible[..., None]
+    return jnp.where(visible, scores, -jnp.inf)
 
 
 def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: int, n_blocks: int) -> jax.Array:

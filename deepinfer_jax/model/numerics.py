@@ -9,7 +9,7 @@ routed-expert GEMMs with the kernels' numerics (``pallas_kernels``: bf16 probabi
 expert outputs, fixed-size expert tiles): the deployment path. On a Hopper GPU that is the Pallas
 kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
 
-``Numerics.kernels`` picks who computes the two hot ops (a static string, so jit caches key on it):
+``Numerics.kernels`` picks who computes the hot ops (a static string, so jit caches key on it):
 
 * ``"auto"`` (default): the Pallas kernels on a Hopper CUDA device for the shapes they support, the
   model's own XLA code everywhere else -- so on CPU the numerics are exactly those of ``"xla"``;
@@ -19,7 +19,8 @@ kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
   fallback elsewhere): the kernels' numerics on any platform;
 * ``"pallas"``: force the Pallas kernels (``KernelUnavailableError`` where they cannot run);
 * ``"interpret"``: the Pallas kernels in the Mosaic GPU interpreter (CPU tests only; slow);
-* per op: ``"attention=pallas,experts=xla"`` (ops ``attention`` and ``experts``; unnamed ops: auto).
+* per op: ``"attention=pallas,experts=xla"`` (ops ``attention``, ``experts`` and ``indexer``, the
+  indexer's scores at prefill; unnamed ops: auto).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
-KERNEL_OPS = ("attention", "experts")
+KERNEL_OPS = ("attention", "experts", "indexer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,108 @@
+"""The index-score kernel on the GPU: correctness, batch invariance and speed against the XLA path.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/indexer_gpu.py        # ~1-2 min on the H200
+    python benchmarks/indexer_gpu.py --queries 128 --keys 300 --configs 128x2   # CPU: the interpreter
+
+Shapes are V4.1-Flash's indexer (32 heads of 128) at a prefill chunk of 2048 queries over S keys, the
+chunk being the last of an S-token prompt at compression ratio 1 (query t sees S - 2048 + t + 1 keys),
+so the kernel skips the tiles above the causal edge; "full" times every key visible. Prints, in one
+run: the kernel's and the XLA path's ms, their ratio, the kernel's useful TFLOP/s (visible dots only)
+against a dense bf16 matmul measured here, and checks (exit 1 on a failure):
+
+* the kernel against the float32 reference within 1e-5 of the largest score (fp32 summation order);
+* a batch row alone == the same row in a batch of 2, bitwise;
+* the scores of visible keys with tile skipping == without, bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from timing import median_ms   # benchmarks/timing.py (the script's folder is on sys.path)
+from pallas_kernels.indexer import IndexScoresConfig, index_scores_reference, index_scores_xla
+from pallas_kernels.indexer.kernel import index_scores_pallas
+
+H, D = 32, 128
+
+
+def dense_tflops(n: int = 8192) -> float:
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n ** 3 / median_ms(f, a) / 1e9
+
+
+def inputs(key, b: int, t: int, s: int):
+    kq, kk, kw = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (b, t, H, D), jnp.bfloat16), jax.random.normal(kk, (b, s, D), jnp.bfloat16),
+            jax.random.normal(kw, (b, t, H), jnp.float32))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--queries", type=int, default=2048)
+    ap.add_argument("--keys", default="8192,32784")
+    ap.add_argument("--configs", default="128x3,64x4", help="block_s x stages, comma-separated")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    t = args.queries
+    interpreter = None
+    if jax.default_backend() != "gpu":   # a smoke run of this script: the kernel in the interpreter
+        from pallas_kernels.interpret import gpu_interpreter
+
+        interpreter = gpu_interpreter()   # (held: its contexts close when it is collected)
+    configs = [IndexScoresConfig(*(int(v) for v in c.split("x"))) for c in args.configs.split(",")]
+    res = dict(jax=jax.__version__, device=str(jax.devices()[0]), dense_tflops=dense_tflops(), rows=[], checks={})
+    print(f"{res['device']}; jax {res['jax']}; dense bf16 {res['dense_tflops']:.0f} TFLOP/s", flush=True)
+
+    # checks, at S = the first key count
+    s = int(args.keys.split(",")[0])
+    q, k, w = inputs(jax.random.key(0), 2, t, s)
+    n_vis = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (s - t + 1), (2, t))
+    kern = jax.jit(lambda q, k, w, nv: index_scores_pallas(q, k, w, nv, config=configs[0]))
+    full = np.asarray(kern(q, k, w, None))
+    ref = np.asarray(index_scores_reference(q, k, w))
+    err = float(np.abs(full - ref).max() / np.abs(ref).max())
+    alone = np.asarray(kern(q[1:], k[1:], w[1:], None))
+    skipped = np.asarray(kern(q, k, w, n_vis))
+    visible = np.arange(s)[None, None, :] < np.asarray(n_vis)[:, :, None]
+    res["checks"] = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[1:])),
+                         skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])))
+    print(f"checks: {res['checks']}", flush=True)
+    del q, k, w, full, ref, alone, skipped
+
+    xla = jax.jit(index_scores_xla)
+    for s in (int(v) for v in args.keys.split(",")):
+        q, k, w = inputs(jax.random.key(s), 1, t, s)
+        causal = jnp.arange(t, dtype=jnp.int32)[None] + (s - t + 1)
+        xla_ms = median_ms(xla, q, k, w)
+        for cfg in configs:
+            kern = jax.jit(lambda q, k, w, nv, cfg=cfg: index_scores_pallas(q, k, w, nv, config=cfg))
+            for label, nv in (("full", None), ("causal", causal)):
+                ms = median_ms(kern, q, k, w, nv)
+                vis = t * s if nv is None else int(causal.sum())
+                tflops = 2 * vis * H * D / ms / 1e9
+                row = dict(keys=s, config=f"{cfg.block_s}x{cfg.stages}", visibility=label, kernel_ms=ms,
+                           xla_ms=xla_ms, speedup_vs_xla=xla_ms / ms, tflops=tflops,
+                           dense_fraction=tflops / res["dense_tflops"])
+                res["rows"].append(row)
+                print(f"S={s:6d} {row['config']:6s} {label:6s}: kernel {ms:7.3f} ms, XLA {xla_ms:7.3f} ms "
+                      f"({xla_ms / ms:.2f}x), {tflops:6.1f} TFLOP/s = {row['dense_fraction']:.0%} of dense",
+                      flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "indexer_gpu.json").write_text(json.dumps(res, indent=1))
+    if interpreter is not None:
+        interpreter.close()
+    ok = err < 1e-5 and res["checks"]["batch_invariant"] and res["checks"]["skip_keeps_visible_bits"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Static configuration of the Mosaic GPU index-score kernel, and its shape limits.
+
+A score's arithmetic is fixed by the kernel's structure (one wgmma per head over the 128-dim dot, heads
+summed in order 0, 1, ..., H-1 in fp32), not by the tile sizes or the batch: any config gives the same
+bits for a query, so a config is a speed choice only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Queries per consumer warpgroup (the wgmma M dimension); a CTA has two consumers.
+QUERY_ROWS = 64
+#: Hopper's shared memory per block, minus a margin for barriers.
+SMEM_LIMIT_BYTES = 232448 - 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexScoresConfig:
+    """block_s: keys per CTA (the wgmma N dimension; the fp32 accumulator and the running sum each take
+    block_s / 2 registers per thread). stages: query-head tiles in flight per CTA."""
+
+    block_s: int = 128
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.block_s not in (64, 128):
+            raise ValueError(f"IndexScoresConfig.block_s={self.block_s} must be 64 or 128")
+        if self.stages < 2:
+            raise ValueError(f"IndexScoresConfig.stages={self.stages} must be at least 2")
+
+    @property
+    def block_t(self) -> int:
+        return 2 * QUERY_ROWS
+
+
+def smem_bytes(num_heads: int, head_dim: int, config: IndexScoresConfig) -> int:
+    bf16, f32 = 2, 4
+    q_ring = config.stages * config.block_t * head_dim * bf16
+    keys = config.block_s * head_dim * bf16
+    weights = num_heads * config.block_t * f32
+    out = config.block_t * config.block_s * f32
+    return q_ring + keys + weights + out
+
+
+def kernel_unsupported_reason(num_heads: int, head_dim: int, config: IndexScoresConfig) -> str | None:
+    """None if the kernel runs this shape, else why not (the caller then uses the XLA path)."""
+    if head_dim != 128:
+        return f"head_dim={head_dim}: the kernel's tiles hold 128-dim rows (V4.1's index_head_dim)"
+    if (need := smem_bytes(num_heads, head_dim, config)) > SMEM_LIMIT_BYTES:
+        return f"{num_heads} heads, block_s={config.block_s}, stages={config.stages} need {need} B of shared memory"
+    return None

@@ -1,0 +1,138 @@
+"""The index-score op (pallas_kernels/indexer): the XLA path and the Mosaic GPU kernel (run on the CPU by
+the Mosaic GPU interpreter) against the float32 reference, the kernel's batch invariance and tile
+skipping (bitwise), its CUDA lowering at V4.1's shapes, and the model's routing to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.indexer import IndexScoresConfig, index_scores, index_scores_reference, index_scores_xla
+from pallas_kernels.interpret import gpu_interpreter, races_found
+
+
+def _inputs(seed, b, t, h, s, d=128):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.standard_normal((b, t, h, d)), jnp.bfloat16)
+    k = jnp.asarray(r.standard_normal((b, s, d)) * np.exp(r.uniform(-2, 2, (b, s, 1))), jnp.bfloat16)
+    w = jnp.asarray(r.standard_normal((b, t, h)), jnp.float32)
+    return q, k, w
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _kernel(*args, config=IndexScoresConfig(block_s=128, stages=2), detect_races=False):
+    from pallas_kernels.indexer.kernel import index_scores_pallas
+
+    with gpu_interpreter(detect_races=detect_races):
+        return jax.block_until_ready(index_scores_pallas(*args, config=config))
+
+
+# The products of bf16 inputs are exact in fp32 on every path, so the paths differ only in fp32
+# summation order: 128 products per dot, then H heads. 1e-5 of the largest score is ~100 ulp of it.
+TOL = 1e-5
+
+
+def test_xla_path_matches_reference_in_key_blocks():
+    q, k, w = _inputs(0, 2, 5, 4, 50)
+    ref = index_scores_reference(q, k, w)
+    assert _rel(index_scores_xla(q, k, w), ref) < TOL
+    # 5 blocks, a partial last one: same inputs per score; XLA may order the head sum differently per
+    # block shape (measured: not bitwise on the CPU), so fp32 rounding apart
+    assert _rel(index_scores_xla(q, k, w, key_block=12), ref) < TOL
+
+
+@pytest.mark.parametrize("t,s,h,block_s", [(130, 200, 4, 128), (64, 64, 3, 64)], ids=["ragged", "one-tile"])
+def test_kernel_in_gpu_interpreter_matches_reference(t, s, h, block_s):
+    q, k, w = _inputs(1, 1, t, h, s)
+    got = _kernel(q, k, w, None, config=IndexScoresConfig(block_s=block_s, stages=2), detect_races=True)
+    assert not races_found()
+    assert got.shape == (1, t, s)
+    assert _rel(got, index_scores_reference(q, k, w)) < TOL
+
+
+def test_kernel_is_batch_invariant_and_skipped_tiles_change_no_visible_score():
+    q, k, w = _inputs(2, 2, 70, 2, 300)
+    q1, k1, w1 = _inputs(3, 1, 70, 2, 300)
+    alone = _kernel(q1, k1, w1, None)
+    batched = _kernel(jnp.concatenate([q, q1]), jnp.concatenate([k, k1]), jnp.concatenate([w, w1]), None)
+    assert np.array_equal(np.asarray(batched[2:]), np.asarray(alone))
+    # causal visibility: query t sees t + 100 keys, so the last key tiles of the first query tile are skipped
+    n_vis = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32) + 100, (1, 70))
+    skipped = np.asarray(_kernel(q1, k1, w1, n_vis))
+    visible = np.arange(300)[None, :] < np.asarray(n_vis)[0][:, None]
+    assert np.array_equal(skipped[0][visible], np.asarray(alone)[0][visible])
+    assert np.all(skipped[0][:, 256:] == 0)     # tile [256, 384) lies past every query's 169 keys
+
+
+def test_kernel_lowers_for_cuda_at_v41_prefill_shapes():
+    from pallas_kernels.indexer.kernel import index_scores_pallas
+
+    q = jax.ShapeDtypeStruct((1, 2048, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 32784, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1, 2048, 32), jnp.float32)
+    nv = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    for cfg in (IndexScoresConfig(), IndexScoresConfig(block_s=64, stages=4)):
+        lowered = jax.jit(lambda *a, cfg=cfg: index_scores_pallas(*a, config=cfg)).trace(q, k, w, nv).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_op_dispatch_and_unsupported_shapes():
+    from pallas_kernels.indexer import kernel_unsupported_reason
+    from pallas_kernels.registry import resolve
+
+    q, k, w = _inputs(4, 1, 3, 2, 9)
+    assert np.array_equal(np.asarray(index_scores(q, k, w)), np.asarray(index_scores_xla(q, k, w)))   # CPU: XLA
+    assert _rel(index_scores(q, k, w, impl="reference"), index_scores_reference(q, k, w)) == 0
+    # not picked automatically on a GPU until it has run on one (registry.py)
+    assert resolve("index_scores", platform="cuda").name == "xla"
+    assert "head_dim=64" in kernel_unsupported_reason(32, 64, IndexScoresConfig())
+    assert "shared memory" in kernel_unsupported_reason(512, 128, IndexScoresConfig())
+    with pytest.raises(ValueError, match="block_s"):
+        IndexScoresConfig(block_s=256)
+
+
+def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
+    """Numerics.kernels="indexer=interpret": a 64-query prefill chunk scores in the kernel, a decode step
+    (T = 1) and exact numerics on XLA; the scores agree to fp32 summation order (TOL) and the mask."""
+    from deepinfer_jax.config import RopeSpec
+    from deepinfer_jax.model import indexer
+    from deepinfer_jax.model.numerics import Numerics
+    from deepinfer_jax.model.rope import rope_inv_freq
+
+    r = np.random.default_rng(5)
+    hi, di, d, qrank, s = 2, 128, 32, 32, 90
+    cfg = type("C", (), {"index_n_heads": hi, "index_head_dim": di, "act_quant_block": 32})
+    p = {"wq_b": {"weight": jnp.asarray(r.standard_normal((hi * di, qrank)) / 3, jnp.float32)},
+         "weights_proj": {"weight": jnp.asarray(r.standard_normal((hi, d)) / 5, jnp.float32)}}
+    inv_freq = rope_inv_freq(RopeSpec(160000.0, 16.0, 32, 1, 256), di)
+    keys = jnp.asarray(r.standard_normal((1, s, di)), jnp.bfloat16)
+    calls = []
+
+    def run(t, numerics):
+        x = jnp.asarray(r.standard_normal((1, t, d)), jnp.bfloat16)
+        qr = jnp.asarray(r.standard_normal((1, t, qrank)), jnp.bfloat16)
+        pos = jnp.arange(20, 20 + t, dtype=jnp.int32)[None]
+        args = (p, cfg, x, qr, pos, keys, 1, inv_freq)
+        return indexer.index_scores(*args, numerics), indexer.index_scores(*args, Numerics.reference())
+
+    with pytest.MonkeyPatch.context() as mp:
+        import pallas_kernels.indexer.kernel as kernel_module
+
+        real = kernel_module.index_scores_pallas
+        mp.setattr(kernel_module, "index_scores_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        wired = Numerics(kernels="indexer=interpret")
+        got, want = run(64, wired)
+        assert calls == [1]
+        finite = np.isfinite(np.asarray(want))
+        assert np.array_equal(np.isfinite(np.asarray(got)), finite)
+        assert _rel(np.where(finite, got, 0), np.where(finite, want, 0)) < TOL
+        got1, want1 = run(1, wired)
+        assert calls == [1] and np.array_equal(np.asarray(got1), np.asarray(want1))   # decode: XLA
