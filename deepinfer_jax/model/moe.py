@@ -274,11 +274,11 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
                           numerics: Numerics, act_block: int, cfgs: dict, fp4: dict, interpret: bool) -> jax.Array:
     """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
 
-    The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 that was
-    0.18 ms per GEMM at decode 64 x 6 and 0.95 ms at a 2048-token prefill chunk, against 0.62 / 1.20 ms
-    of kernel (results/grouped_gemm_sweep{4,5}_2026-12-04.json). Here one sort and one gather feed w1
-    and w3, the swiglu runs on their transposed tile-order results, w2 reads those rows transposed back,
-    and only its result is scattered. Every row meets the same kernel, tiles and elementwise ops as on
+    The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 the eager op
+    took 0.18 ms more than its kernel at decode 64 x 6 and 0.95 ms more at a 2048-token prefill chunk
+    (kernel 0.62 / 1.20 ms; results/grouped_gemm_sweep{4,5}_2026-12-04.json). Here one sort and one
+    gather feed w1 and w3, the swiglu runs on their transposed tile-order results, w2 reads those rows
+    transposed back, and only its result is scattered. Every row meets the same kernel, tiles and elementwise ops as on
     the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, retile, tile_rows, untile_rows
 
