@@ -271,6 +271,28 @@ def test_input_checks_name_the_offending_array():
         grouped_matmul(x, jnp.zeros((2, 32, 48), jnp.bfloat16), gid)
 
 
+def test_tiled_api_checks_the_plan_and_the_weights():
+    """grouped_matmul_tiles (the expert FFN's shared-plan path) refuses x rows that are not the plan's
+    tiles at config.block_m, and weights whose K is not x's, before any kernel is built."""
+    from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation, grouped_matmul_tiles, retile, tile_rows
+
+    rng = np.random.default_rng(3)
+    w, s = _weights(rng, WeightFormat.FP4, 4, 128, 128)
+    x = jnp.asarray(rng.standard_normal((6, 128)), jnp.bfloat16)
+    gid = jnp.asarray([0, 3, 3, 1, 0, 2], jnp.int32)
+    plan, x_pk = tile_rows(x, gid, num_groups=4, block_m=16, fp4=True)
+    assert x_pk.shape == (4 * 16, 128)     # max_tiles(6, 4, 16) = 4 tiles of 16 rows
+    with pytest.raises(ValueError, match="block_m=32 does not match"):
+        grouped_matmul_tiles(plan, x_pk, w, s, config=GroupedMatmulConfig(block_m=32))
+    with pytest.raises(ValueError, match="K=64 but w"):
+        grouped_matmul_tiles(plan, x_pk[:, :64], w, s, config=GroupedMatmulConfig(block_m=16))
+    # retile: y^T tile-order [K, T*bm] -> the next GEMM's rows, bf16, FP4 K order
+    h = jnp.arange(128 * 64, dtype=jnp.float32).reshape(128, 64)
+    assert np.array_equal(np.asarray(retile(h, fp4=False)), np.asarray(h.T.astype(jnp.bfloat16)))
+    assert np.array_equal(np.asarray(retile(h, fp4=True)),
+                          np.asarray(h.T.astype(jnp.bfloat16))[:, np.asarray(fp4_k_permutation(128))])
+
+
 # ---- the Mosaic GPU kernel: GPU interpreter on the CPU, and lowering for Hopper ----------------------
 
 def _interpret():
