@@ -27,7 +27,7 @@ Sections:
 * ptimeline: the prefill of the last --prompts length (replay off: every chunk runs every layer) under
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
-  kernel is shown with the jax op it came from.
+  kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
 * unroll: the decode step at --profile-batch and the first context with ``sinkhorn_unroll=False``
   (the mHC Sinkhorn rounds as a while loop, one host round trip per iteration; the GPU default since
   2026-12-04 is unrolled), to compare with the decode section's row for the same shape.
@@ -291,7 +291,7 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
             sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
         jax.block_until_ready(out)
 
-    return _traced(run, steps, "step")
+    return _traced(run, steps, "step", _sites_from_dump(os.environ.get("E2E_HLO_DUMP"), "decode"))
 
 
 def _sites_from_dump(dump_dir: str | None, module: str) -> dict[str, str]:
