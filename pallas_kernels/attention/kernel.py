@@ -46,6 +46,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32  # the grouped GEMM's "arith" E2M1 decode
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
+from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
 
 _LOG2E = math.log2(math.e)
 _NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see a valid score
@@ -99,7 +100,6 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         split = lax.axis_index("split")
         batch = lax.div(n, jnp.int32(queries_per_batch))
         group = lax.rem(n, jnp.int32(sink_ref.shape[0]))
-        wg = lax.axis_index("wg")
 
         def rendezvous():  # both consumer warpgroups
             plgpu.barrier_arrive(xbar)
@@ -197,14 +197,6 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                 if half == 0:
                     lse_ref.at[n, split][...] = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
-        @pl.when(wg == 0)
-        def _():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _():
-            consumer(1)
-
         def producer(halves: tuple[int, ...]):
             # Mosaic's copy_gmem_to_smem makes all 128 threads of the issuing warpgroup arrive on the
             # barrier for every row, which makes the row-issue loop the kernel's bottleneck; with two
@@ -270,20 +262,10 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
             for half in halves:
                 plgpu.barrier_wait(free.at[half])
 
-        if n_producers == 1:
-            @pl.when(wg == 2)
-            def _():
-                producer((0, 1))
-        else:
-            @pl.when(wg == 2)
-            def _():
-                producer((0,))
+        halves_per_producer = [(0, 1)] if n_producers == 1 else [(0,), (1,)]
+        mosaic.run_warpgroups(consumer, [lambda halves=halves: producer(halves) for halves in halves_per_producer])
 
-            @pl.when(wg == 3)
-            def _():
-                producer((1,))
-
-    tiles = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+    tiles = mosaic.tiled(_SWIZZLE, 2)
     scratch = (
         (plgpu.SMEM((2, h, dh), jnp.bfloat16, transforms=tiles),          # q, by column half
          plgpu.SMEM((n_blocks, BLOCK_ROWS), jnp.int32),                   # this split's indices

@@ -48,13 +48,10 @@ from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_r
                                               scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
+from pallas_kernels.mosaic import run_warpgroups, tiled
 
 _HALF = SCALE_BLOCK // 2
 _PTX_MODES = ("packed", "subnormal")     # FP4 decoders written in inline PTX (GPU only)
-
-
-def _tiled(swizzle_bytes: int, itemsize: int):
-    return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
 
 
 def _e8m0_row_to_f32(s_u8):
@@ -112,17 +109,17 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
     x_swizzle = 64 if quant else 128      # quantized: B is sliced per 32-column scale block
-    x_transforms = _tiled(x_swizzle, 2)
+    x_transforms = tiled(x_swizzle, 2)
     w_dtype = {WeightFormat.BF16: jnp.bfloat16, WeightFormat.FP8: jnp.float8_e4m3fn,
                WeightFormat.FP4: jnp.uint8}[fmt]
     # Quantized weight rows are bk_bytes long: unswizzled, the 8 rows a WGMMA-layout load reads at once
     # share banks (4-way conflicts for 64-byte FP4 rows, measured by ncu 2026-12-04); a bk_bytes swizzle
     # spreads them. TMA swizzles 32, 64 or 128-byte rows only.
     swizzle_w = quant and cfg.swizzle_weights and bk_bytes in (32, 64, 128)
-    w_transforms = _tiled(128, 2) if not quant else (_tiled(bk_bytes, 1) if swizzle_w else ())
+    w_transforms = tiled(128, 2) if not quant else (tiled(bk_bytes, 1) if swizzle_w else ())
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_swizzle = plgpu.find_swizzle(bm * out_itemsize * 8, "out")
-    out_transforms = _tiled(out_swizzle, out_itemsize)
+    out_transforms = tiled(out_swizzle, out_itemsize)
     copies_per_step = 3 if quant else 2
     overlap = quant and cfg.overlap_wgmma
     a_bufs = 2 if overlap else 1
@@ -181,7 +178,6 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         else:
             s_ref, yt_ref, scratch = None, rest[0], rest[1:]
         (x_smem, w_smem, s_smem, a_smem, o_smem), (full, empty) = scratch
-        wg = lax.axis_index("wg")
 
         def item(k):
             """This CTA's k-th item -> (column block, tile, group, has work). Items without work (tiles of
@@ -287,17 +283,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
             for_each_item(compute)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _():
-            consumer(1)
-
-        @pl.when(wg == 2)
-        def _():
-            producer()
+        run_warpgroups(consumer, [producer])
 
     s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
     a_staged = quant and not cfg.a_from_registers
@@ -306,7 +292,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
          plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
          plgpu.SMEM(s_shape, jnp.uint8),
-         plgpu.SMEM(a_shape, jnp.bfloat16, transforms=_tiled(64, 2)),
+         plgpu.SMEM(a_shape, jnp.bfloat16, transforms=tiled(64, 2)),
          plgpu.SMEM((2, wg_rows, bm), out_dtype, transforms=out_transforms)),
         (plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
@@ -354,18 +340,8 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
     Not jitted as a whole on purpose: the plan, the kernel and the un-permute are three jitted
     functions, so eager callers (tests, benchmarks) reuse one compiled kernel for every M whose tile
     count falls in the same power-of-two bucket. Inside a caller's jit it all inlines as usual."""
-    if scales_prepared:
-        if w_scale is None:
-            raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
-        fmt = check_prepared(w, w_scale)
-        g, n, kw = w.shape
-        k = kw * 2 if fmt is WeightFormat.FP4 else kw
-        s_kernel = w_scale
-    else:
-        fmt, g, n, k = check_inputs(x_mk, w, group_ids_m, w_scale)
-        s_kernel = None if fmt is WeightFormat.BF16 else _kernel_scales_jit(w_scale, fmt=fmt, n=n)
-    if (why := kernel_unsupported_reason(n, k, fmt, config, out_dtype)) is not None:
-        raise ValueError(f"grouped_matmul_pallas cannot run this problem: {why}")
+    fmt, g, n, s_kernel = _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared, config, out_dtype,
+                                           "grouped_matmul_pallas")
     m = x_mk.shape[0]
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -381,6 +357,31 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
 
 
 _kernel_scales_jit = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
+
+
+def _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared: bool, config: GroupedMatmulConfig, out_dtype,
+                     caller: str) -> tuple[WeightFormat, int, int, jax.Array | None]:
+    """Checks the inputs and the config against the kernel -> (format, G, N, scales in the kernel layout)."""
+    if scales_prepared:
+        if w_scale is None:
+            raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
+        fmt = check_prepared(w, w_scale)
+        g, n, kw = w.shape
+        k = kw * 2 if fmt is WeightFormat.FP4 else kw
+        if x_mk.shape[1] != k:    # (check_inputs does this for the checkpoint layout)
+            raise ValueError(f"x_mk has K={x_mk.shape[1]} but w {w.shape} ({fmt.value}) has K={k}")
+        s_kernel = w_scale
+    else:
+        fmt, g, n, k = check_inputs(x_mk, w, group_ids_m, w_scale)
+        s_kernel = None if fmt is WeightFormat.BF16 else _kernel_scales_jit(w_scale, fmt=fmt, n=n)
+    if (why := kernel_unsupported_reason(n, k, fmt, config, out_dtype)) is not None:
+        raise ValueError(f"{caller} cannot run this problem: {why}")
+    return fmt, g, n, s_kernel
+
+
+def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
+    """x's columns in the order the kernel decodes FP4 weights (``fp4_k_permutation``); as is otherwise."""
+    return jnp.take(x_mk, fp4_k_permutation(x_mk.shape[1]), axis=1) if fp4 else x_mk
 
 
 # ---- the op in three parts, for callers that chain GEMMs on the same rows (an expert FFN) -------------
@@ -399,8 +400,7 @@ def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block
 def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
     """Tile-order activations transposed [K, T*block_m] (a previous ``grouped_matmul_tiles``' y^T, after
     elementwise work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4."""
-    x_pk = h_kp.T.astype(jnp.bfloat16)
-    return jnp.take(x_pk, fp4_k_permutation(x_pk.shape[1]), axis=1) if fp4 else x_pk
+    return _in_kernel_k_order(h_kp.T.astype(jnp.bfloat16), fp4)
 
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
@@ -412,19 +412,9 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale:
     if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
         raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
                          f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
-    if scales_prepared:
-        if w_scale is None:
-            raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
-        fmt = check_prepared(w, w_scale)
-        n, s_kernel = w.shape[1], w_scale
-        if x_pk.shape[1] != w.shape[2] * (2 if fmt is WeightFormat.FP4 else 1):
-            raise ValueError(f"x_pk has K={x_pk.shape[1]} but w {w.shape} ({fmt.value}) does not")
-    else:   # (the group ids are the plan's: only their shape and dtype are checked here)
-        fmt, _, n, _ = check_inputs(x_pk, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale)
-        s_kernel = None if fmt is WeightFormat.BF16 else _kernel_scales_jit(w_scale, fmt=fmt, n=n)
-    k = x_pk.shape[1]
-    if (why := kernel_unsupported_reason(n, k, fmt, config, out_dtype)) is not None:
-        raise ValueError(f"grouped_matmul_tiles cannot run this problem: {why}")
+    # (the group ids are the plan's: only their shape and dtype are checked)
+    fmt, _, _, s_kernel = _kernel_operands(x_pk, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale,
+                                           scales_prepared, config, out_dtype, "grouped_matmul_tiles")
     return _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
 
 
@@ -436,9 +426,8 @@ def untile_rows(y_np: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.A
 @functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4"))
 def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4):
     plan = make_tile_plan(group_ids_m, num_groups, block_m, num_tiles)
-    if fp4:    # on the M token rows, not the T*block_m padded ones (up to ~20x more at decode)
-        x_mk = jnp.take(x_mk, fp4_k_permutation(x_mk.shape[1]), axis=1)
-    return plan, gather_rows(x_mk, plan)
+    # (permuted on the M token rows, not the T*block_m padded ones: up to ~20x more at decode)
+    return plan, gather_rows(_in_kernel_k_order(x_mk, fp4), plan)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

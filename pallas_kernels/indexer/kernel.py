@@ -26,10 +26,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.indexer.config import QUERY_ROWS, IndexScoresConfig, kernel_unsupported_reason
-
-
-def _tiled(swizzle_bytes: int, itemsize: int):
-    return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
+from pallas_kernels.mosaic import run_warpgroups, tiled
 
 
 def _build(b: int, h: int, t_tiles: int, s_pad: int, d: int, cfg: IndexScoresConfig):
@@ -39,7 +36,6 @@ def _build(b: int, h: int, t_tiles: int, s_pad: int, d: int, cfg: IndexScoresCon
 
     def body(q_ref, k_ref, w_ref, nvis_ref, o_ref, scratch):
         (q_smem, k_smem, w_smem, o_smem), (full, empty, kw) = scratch
-        wg = lax.axis_index("wg")
         bi, ti, si = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("s")
         t0, s0 = ti * bt, si * bs
         active = s0 < nvis_ref[bi, ti]
@@ -101,23 +97,13 @@ def _build(b: int, h: int, t_tiles: int, s_pad: int, d: int, cfg: IndexScoresCon
             def _():
                 store(half, zeros)
 
-        @pl.when(wg == 0)
-        def _():
-            consumer(0)
-
-        @pl.when(wg == 1)
-        def _():
-            consumer(1)
-
-        @pl.when(wg == 2)
-        def _():
-            producer()
+        run_warpgroups(consumer, [producer])
 
     scratch = (
-        (plgpu.SMEM((stages, bt, d), jnp.bfloat16, transforms=_tiled(128, 2)),
-         plgpu.SMEM((bs, d), jnp.bfloat16, transforms=_tiled(128, 2)),
+        (plgpu.SMEM((stages, bt, d), jnp.bfloat16, transforms=tiled(128, 2)),
+         plgpu.SMEM((bs, d), jnp.bfloat16, transforms=tiled(128, 2)),
          plgpu.SMEM((h, bt), jnp.float32),
-         plgpu.SMEM((2, QUERY_ROWS, bs), jnp.float32, transforms=_tiled(out_swizzle, 4))),
+         plgpu.SMEM((2, QUERY_ROWS, bs), jnp.float32, transforms=tiled(out_swizzle, 4))),
         (plgpu.Barrier(num_arrivals=1, num_barriers=stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=1)),

@@ -1,0 +1,24 @@
+"""Pieces shared by the Mosaic GPU kernels: shared-memory tilings and the warpgroup roles."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+
+def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
+    """The transforms of a shared-memory tile that TMA swizzles by ``swizzle_bytes`` (8-row tiles)."""
+    return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
+
+
+def run_warpgroups(consumer: Callable[[int], None], producers: Sequence[Callable[[], None]]) -> None:
+    """The kernels' roles: ``consumer(0)`` on warpgroup 0, ``consumer(1)`` on warpgroup 1 and
+    ``producers[i]()`` on warpgroup 2 + i (thread axis "wg")."""
+    wg = lax.axis_index("wg")
+    for half in (0, 1):
+        pl.when(wg == half)(lambda half=half: consumer(half))
+    for i, producer in enumerate(producers):
+        pl.when(wg == 2 + i)(producer)
