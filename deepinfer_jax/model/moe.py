@@ -233,36 +233,32 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
 
     m, k = ids_mk.shape
     gid = ids_mk.reshape(m * k).astype(jnp.int32)
+    interpret = impl == "interpret"
+    if interpret:
+        # The interpreter's wgmma reads shared memory only: stage the dequantized tile there; small
+        # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
+        cfgs = dict.fromkeys(("w1", "w3", "w2"), GroupedMatmulConfig(block_m=16, block_n=128, block_k=64,
+                                                                      stages=2, a_from_registers=False))
+    else:
+        cfgs = {name: _tile_config(p_exp[name], m * k, numerics) for name in ("w1", "w3", "w2")}
+    xq = act_quant(x_md, numerics, act_block)
+    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
     if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
-        if impl == "interpret":
-            # The interpreter's wgmma reads shared memory only: stage the dequantized tile there; small
-            # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
-            cfg = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
-            cfgs = dict.fromkeys(("w1", "w3", "w2"), cfg)
-        else:
-            cfgs = {name: _tile_config(p_exp[name], m * k, numerics) for name in ("w1", "w3", "w2")}
         fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
         if len({c.block_m for c in cfgs.values()}) == 1 and fmts["w1"] == fmts["w3"]:
-            return _routed_experts_tiled(p_exp, x_md, gid, w_mk, limit, numerics, act_block, cfgs,
-                                         {n: f.value == "fp4" for n, f in fmts.items()}, impl == "interpret")
+            return _routed_experts_tiled(p_exp, x_rows, gid, w_mk, limit, numerics, act_block, cfgs,
+                                         {n: f.value == "fp4" for n, f in fmts.items()}, interpret)
 
     def mm(x, name):
         w, s, prepared = _kernel_weights(p_exp[name])
-        if impl == "interpret":
+        if interpret:
             from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
-            from pallas_kernels.interpret import gpu_interpreter
 
-            # The interpreter's wgmma reads shared memory only: stage the dequantized tile there;
-            # small tiles keep the interpreter fast (same 16-wide K order, so the same row results).
-            cfg = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
-            with gpu_interpreter():
-                return grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg,
-                                             scales_prepared=prepared)
+            return _interpreted(lambda: grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfgs[name],
+                                                              scales_prepared=prepared), True)
         return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl, selection=_auto_selection(),
-                              config=_tile_config(p_exp[name], x.shape[0], numerics), scales_prepared=prepared)
+                              config=cfgs[name], scales_prepared=prepared)
 
-    xq = act_quant(x_md, numerics, act_block)
-    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
     g = mm(x_rows, "w1")
     u = mm(x_rows, "w3")
     hid = swiglu(g, u, limit) * w_mk.reshape(m * k)[:, None]
@@ -270,16 +266,27 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     return mm(hid.astype(jnp.bfloat16), "w2").reshape(m, k, -1)
 
 
-def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
+def _interpreted(fn, interpret: bool):
+    """fn(), traced inside the Mosaic GPU interpreter when ``interpret`` (CPU tests)."""
+    if not interpret:
+        return fn()
+    from pallas_kernels.interpret import gpu_interpreter
+
+    with gpu_interpreter():
+        return fn()
+
+
+def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
                           numerics: Numerics, act_block: int, cfgs: dict, fp4: dict, interpret: bool) -> jax.Array:
     """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
+    x_rows [M*k, D] bf16: the quantized token rows, row m*k + r for token m's rank r.
 
     The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 the eager op
     took 0.18 ms more than its kernel at decode 64 x 6 and 0.95 ms more at a 2048-token prefill chunk
     (kernel 0.62 / 1.20 ms; results/grouped_gemm_sweep{4,5}_2026-12-04.json). Here one sort and one
     gather feed w1 and w3, the swiglu runs on their transposed tile-order results, w2 reads those rows
-    transposed back, and only its result is scattered. Every row meets the same kernel, tiles and elementwise ops as on
-    the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
+    transposed back, and only its result is scattered. Every row meets the same kernel, tiles and
+    elementwise ops as on the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, retile, tile_rows, untile_rows
 
     m, k = w_mk.shape
@@ -290,22 +297,12 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
                                     scales_prepared=prepared)
 
-    def kernels(fn):
-        if not interpret:
-            return fn()
-        from pallas_kernels.interpret import gpu_interpreter
-
-        with gpu_interpreter():
-            return fn()
-
-    xq = act_quant(x_md, numerics, act_block)
-    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
     plan, x_pk = tile_rows(x_rows, gid, num_groups=w1.shape[0], block_m=cfgs["w1"].block_m, fp4=fp4["w1"])
-    g_np, u_np = kernels(lambda: (run(x_pk, "w1"), run(x_pk, "w3")))   # [inter, T*block_m] in tile order
+    g_np, u_np = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [inter, T*block_m]
     w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
     hid_np = swiglu(g_np, u_np, limit) * w_p[None, :]
     hid_np = act_quant(hid_np.astype(numerics.dtype).T, numerics, act_block).T   # row-local, as before
-    y_np = kernels(lambda: run(retile(hid_np, fp4=fp4["w2"]), "w2"))
+    y_np = _interpreted(lambda: run(retile(hid_np, fp4=fp4["w2"]), "w2"), interpret)
     return untile_rows(y_np, plan, jnp.float32).reshape(m, k, -1)
 
 
