@@ -129,10 +129,8 @@ REGISTRY: Mapping[str, OpSpec] = MappingProxyType({
         Impl(XLA, "pallas_kernels.attention:sparse_sink_attention_fp4_xla"),
         Impl(REFERENCE, "pallas_kernels.attention:sparse_sink_attention_fp4_reference", auto=False),
     )),
-    # The kernel is opt-in (DEEPINFER_KERNELS / Numerics.kernels "indexer=pallas") until it has run on a
-    # Hopper GPU: it lowers for CUDA and matches the reference in the Mosaic GPU interpreter only.
     "index_scores": OpSpec("index_scores", (
-        dataclasses.replace(_pallas_gpu("pallas_kernels.indexer:index_scores_pallas"), auto=False),
+        _pallas_gpu("pallas_kernels.indexer:index_scores_pallas"),
         Impl(XLA, "pallas_kernels.indexer:index_scores_xla"),
         Impl(REFERENCE, "pallas_kernels.indexer:index_scores_reference", auto=False),
     )),
