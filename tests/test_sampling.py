@@ -130,6 +130,24 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
     assert keep_ref[out["token"]].all()
 
 
+def test_unrolled_search_gives_the_loops_bits(monkeypatch):
+    """The GPU form of the bisections (32 unrolled steps, no while loop) keeps the same tokens as the
+    loop, for filtering and non-filtering rows in one batch; run here by forcing it on the CPU."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, V)).astype(np.float32) * 2
+    x[:, [3, 9, 20]] = x[:, [7]]
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.8), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0), SamplingParams(top_k=9, top_p=0.9, min_p=0.05),
+              SamplingParams(min_p=0.2)]
+    loop = _run(x, params)
+    monkeypatch.setattr(sampling_mod, "_unrolled_search", lambda: True)
+    unrolled = _run(x, params)
+    for k in loop:
+        np.testing.assert_array_equal(unrolled[k], loop[k], err_msg=k)
+    jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key(lambda t: t > 5, 2, None))())
+    assert "while" not in jaxpr   # the point of the GPU form
+
+
 def test_ties_go_to_the_lower_id():
     x = np.zeros((1, V), np.float32)
     x[0, [40, 11, 30]] = 5.0
@@ -231,3 +249,26 @@ def test_a_row_never_depends_on_its_slot_or_neighbours(sampler, monkeypatch):
         elif not same:
             return
     assert sampler == "invariant", "the batch-shifted variant passed the invariance check"
+
+
+@pytest.mark.parametrize("v", [129280, 10_001, 8 * 1024])
+def test_top_k_by_blocks_is_lax_top_k_bit_for_bit(v):
+    """The two-stage top-k of the logprobs gives lax.top_k's values and indices, ties (lower index
+    first) and -inf included, for vocabularies that are and are not a multiple of the block."""
+    from deepinfer_jax.engine.sampling import top_k_by_blocks
+
+    rng = np.random.default_rng(v)
+    x = rng.integers(-6, 3, size=(5, v)).astype(np.float32)     # few distinct values: ties everywhere
+    x[0] = -np.inf
+    x[0, [17, v - 1, 4000]] = [1.0, 1.0, 0.5]                      # fewer finite values than k
+    x[1, rng.choice(v, v // 2, replace=False)] = -np.inf
+    x[2] = rng.normal(size=v).astype(np.float32)
+    for k in (20, 1):
+        got = jax.jit(top_k_by_blocks, static_argnums=1)(jnp.asarray(x), k)
+        want = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    # the indices really are the lowest among ties (what lax.top_k documents)
+    idx = np.asarray(jax.lax.top_k(jnp.asarray(x), 20)[1])[3]
+    ties_in_top = [i for i in idx if x[3, i] == x[3, idx[-1]]]
+    assert ties_in_top == sorted(np.flatnonzero(x[3] == x[3, idx[-1]]))[:len(ties_in_top)]
