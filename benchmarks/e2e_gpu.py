@@ -61,6 +61,7 @@ from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  #
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
+from deepinfer_jax.model.linear import dequantize_dense_fp8  # noqa: E402
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
 from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
@@ -137,6 +138,7 @@ class Model:
     params: dict
     tok: Tokenizer
     token_map: np.ndarray
+    stored: dict    # the params' shapes and dtypes as the checkpoint stores them (before load-time prep)
 
 
 def scheduler(m: Model, numerics: Numerics, slots: int, max_len: int, chunk: int, bounded_replay: bool = True):
@@ -203,7 +205,7 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
                 tok = step()
             jax.block_until_ready(tok)
             ms = (time.perf_counter() - t) * 1e3 / steps
-            need = decode_bytes(m.cfg, m.params, b, ctx, numerics.kv_quant)
+            need = decode_bytes(m.cfg, m.stored, b, ctx, numerics.kv_quant)
             rec = dict(batch=b, context=ctx, ms_per_step=ms, tokens_per_s=b / (ms * 1e-3), compile_s=compile_s,
                        bytes=need, peak_bytes=peak_bytes())
             if copy:
@@ -494,11 +496,13 @@ def main(argv=None):
     if args.kernels:
         numerics = dataclasses.replace(numerics, kernels=args.kernels)
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
-    if experts_run_kernel(numerics):     # as the engine (LLM) does: kernel-layout expert scales, once
+    stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    if experts_run_kernel(numerics):     # as the engine (LLM) does at load on the GPU path
         params, numerics = prepare_experts_for_kernel(params, numerics)
+        params = dequantize_dense_fp8(params)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
-    m = Model(cfg, params, tok, token_map)
+    m = Model(cfg, params, tok, token_map, stored)
     RESULTS["slice"] = dict(layers=args.layers, weight_bytes=tree_bytes(params), build_s=time.time() - t,
                             roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
                             matmul_macs_per_token=matmul_macs_per_token(cfg, params))

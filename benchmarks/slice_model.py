@@ -195,7 +195,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, progress=None) -> dict:
 
 
 def tree_bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    """Bytes of a tree of arrays or ShapeDtypeStructs."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 # ---- a cache as it stands after `context` tokens --------------------------------------------------------
@@ -249,7 +250,8 @@ def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: b
     """The fewest bytes one decode step must read: each layer's non-expert weights, the experts the step
     routes to (expected number under uniform routing), the head, and per slot the KV rows attention
     reads (window ring + top-k compressed rows) and the index-K rows the indexers score. Writes are small
-    and left out."""
+    and left out. params: arrays or ShapeDtypeStructs in the checkpoint's formats (the engine's load-time
+    bf16 copies of dense FP8 weights are a speed choice, not bytes the step must read)."""
     weights = 0
     experts = 0.0
     for layer in params["layers"]:
@@ -259,7 +261,7 @@ def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: b
         if "engram" in layer:
             weights -= tree_bytes(layer["engram"]["embed"])  # rows gathered, counted below
         experts += per_expert * expected_active_experts(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
-    weights += params["head"]["weight"].nbytes + params["norm"]["weight"].nbytes
+    weights += tree_bytes((params["head"]["weight"], params["norm"]["weight"]))
     lay = kv_codec.layouts(cfg)
     row_win = _entry_bytes(lay.window, cfg.head_dim, kv_quant)
     row_kv = _entry_bytes(lay.compressed, cfg.head_dim, kv_quant)

@@ -237,6 +237,19 @@ def _dequantized_layer_elements(cfg: ModelConfig, ms: MeshSpec, rules: ShardingR
     return worst
 
 
+def _dense_fp8_bytes(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, groups: tuple[str, ...]) -> int:
+    """Bytes per device of the dense FP8 linears that ``linear.dequantize_dense_fp8`` holds as bf16 (one
+    byte per element more than stored): 2-D FP8 weights outside the routed experts and the row tables."""
+    params = abstract_params(cfg, groups, mesh=ms, rules=rules)
+    n = 0
+    for path, sd in tree_paths(params):
+        if (len(sd.shape) != 2 or path[-1] != "weight" or sd.dtype != jnp.float8_e4m3fn
+                or "experts" in path or "embed" in path):
+            continue
+        n += math.prod(local_shape(sd.shape, leaf_spec(path, sd.shape, ms, rules, cfg), ms))
+    return n
+
+
 def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slots: int, max_len: int,
                       step_tokens: int, numerics: Numerics, experts_path: str, head_tokens: int | None = None,
                       sampler: bool = False) -> list[tuple[str, int]]:
@@ -308,12 +321,14 @@ def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slot
 def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], slots: int, max_len: int,
                 numerics: Numerics | str = "reference", *, step_tokens: int = 1, groups: Sequence[str] = ("backbone",),
                 rules: ShardingRules = DEFAULT_RULES, extra_per_slot_bytes: int = 0,
-                experts_path: str = "gather", head_tokens: int | None = None, sampler: bool = False) -> MemoryPlan:
+                experts_path: str = "gather", head_tokens: int | None = None, sampler: bool = False,
+                dense_bf16: bool = False) -> MemoryPlan:
     """Bytes per device. ``step_tokens``: tokens per slot in one step (1 = decode, the prefill chunk
     otherwise). ``extra_per_slot_bytes``: the engine's own per-slot device state (e.g. sampler counts).
     ``experts_path``: "gather" (the XLA path today) or "grouped" (a grouped-GEMM kernel).
     ``head_tokens``: tokens per slot the LM head runs on (None: every step token, as ``forward``; the
-    engine passes 1). ``sampler``: count the engine's in-step sampler over whole vocabulary rows."""
+    engine passes 1). ``sampler``: count the engine's in-step sampler over whole vocabulary rows.
+    ``dense_bf16``: the dense FP8 linears are held dequantized (the GPU engine, ``dequantize_dense_fp8``)."""
     if experts_path not in EXPERT_PATHS:
         raise ValueError(f"experts_path must be one of {EXPERT_PATHS}, got {experts_path!r}")
     ms = MeshSpec.parse(mesh_shape)
@@ -322,6 +337,8 @@ def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], sl
         raise ValueError(f"slots, max_len and step_tokens must be positive (got {slots}, {max_len}, {step_tokens})")
     validate_model_mesh(cfg, ms, rules, slots=slots)
     weights = _weight_bytes(cfg, ms, rules, tuple(groups))
+    if dense_bf16:
+        weights["dense FP8 linears held as bf16 (+1 B each)"] = _dense_fp8_bytes(cfg, ms, rules, tuple(groups))
     caches = _local_bytes(cache_shapes(cfg, slots, max_len, num), ms, rules, cfg, _cache_group)
     if extra_per_slot_bytes:
         caches["engine per-slot state"] = extra_per_slot_bytes * (slots // ms.axis_size(rules.mesh_axes("batch")))

@@ -291,3 +291,35 @@ def test_fp4_scale_max_picks_the_subnormal_decoder_only_when_every_scale_allows_
     big = Numerics.reference().__class__(**{**nq.__dict__, "fp4_scale_max": 129})
     assert _tile_config(p_lin, m, big).fp4_dequant == "packed"
     assert fp4_expert_scale_max({"layers": [{"mlp": {"dense": 1}}]}) is None               # no experts
+
+
+def test_dense_fp8_held_as_bf16_changes_no_bits(tiny_params, tiny_cfg, tiny_token_map):
+    """dequantize_dense_fp8 (the GPU engine does it at load) holds every dense FP8 linear as its bf16
+    dequantized weight; quant_linear made the same bf16 weight in each step, so the logits keep their
+    bits. The routed experts and the Engram table stay as stored, and the planner's extra byte per
+    converted element matches the tree."""
+    from deepinfer_jax.model.linear import dequantize_dense_fp8
+    from deepinfer_jax.planner import plan_memory
+    from deepinfer_jax.sharding import tree_paths
+    from test_model_consistency import _prompts, run_chunks
+
+    held = dequantize_dense_fp8(tiny_params)
+    before = {p: leaf for p, leaf in tree_paths(tiny_params)}
+    after = {p: leaf for p, leaf in tree_paths(held)}
+    converted = [p for p in before if p[-1] == "scale" and p not in after]
+    assert converted, "the tiny checkpoint has dense FP8 linears"
+    for p in converted:
+        w = p[:-1] + ("weight",)
+        assert before[w].dtype == jnp.float8_e4m3fn and after[w].dtype == jnp.bfloat16, p
+        assert "experts" not in p and "embed" not in p
+    kept = [p for p in before if p[-1] == "scale" and p in after]
+    assert all("experts" in p or "embed" in p for p in kept)
+    extra = sum(before[p[:-1] + ("weight",)].size for p in converted)
+    plain = plan_memory(tiny_cfg, "data=1", 2, 64)
+    with_bf16 = plan_memory(tiny_cfg, "data=1", 2, 64, dense_bf16=True)
+    assert with_bf16.weight_bytes - plain.weight_bytes == extra
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    nq = Numerics.reference()
+    want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, nq)
+    got = run_chunks(held, tiny_cfg, tiny_token_map, prompts, 7, nq)
+    assert np.array_equal(got, want)

@@ -19,6 +19,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler
 from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
+from deepinfer_jax.model.linear import dequantize_dense_fp8
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel
 from deepinfer_jax.model.numerics import Numerics, as_numerics
 from deepinfer_jax.planner import MemoryPlan, PlanError, parse_bytes, plan_memory
@@ -81,7 +82,8 @@ def check_memory(cfg: ModelConfig, slots: int, max_len: int, numerics: Numerics,
     MemoryError) saying how many slots fit when it exceeds ``limit`` bytes per device (None: no check)."""
     # the engine's steps run the LM head on one position per slot and sample inside the step
     plan = plan_memory(cfg, mesh, slots, max_len, numerics, step_tokens=chunk_size, rules=rules,
-                       extra_per_slot_bytes=sampler_state_bytes(cfg), head_tokens=1, sampler=True)
+                       extra_per_slot_bytes=sampler_state_bytes(cfg), head_tokens=1, sampler=True,
+                       dense_bf16=experts_run_kernel(as_numerics(numerics)))
     if limit is None:
         return plan
     limit = parse_bytes(limit)
@@ -133,8 +135,9 @@ class LLM:
             raise ValueError(f"{path}: the tokenizer gives {n_keys} Engram keys, config.json says "
                              f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
         self.params = self._load(path, rules, progress)
-        if experts_run_kernel(self.numerics):    # the kernel's scale layout, once instead of every step
+        if experts_run_kernel(self.numerics):    # the GPU path: work done once instead of in every step
             self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics)
+            self.params = dequantize_dense_fp8(self.params)
         if mesh is None:
             self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
                                        self.engine_config)
