@@ -1,6 +1,6 @@
 """Plot the e2e H200 results (benchmarks/e2e_gpu.py output) for the README.
 
-    python benchmarks/plot_e2e.py [benchmarks/results/e2e_gpu_2026-12-03_tuned_merged.json] [docs/e2e_h200.png]
+    python benchmarks/plot_e2e.py [benchmarks/results/e2e_gpu_2026-12-04d_merged.json] [docs/e2e_h200.png]
 
 Left: decode tokens/s per batch and context, annotated with the step's fewest bytes over its time as a
 fraction of the measured copy bandwidth. Right: prefill tokens/s with and without bounded replay.
@@ -36,7 +36,7 @@ def rows(results: dict, section: str) -> list[dict]:
 
 def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04b_merged.json"
+    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04d_merged.json"
     dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "e2e_h200.png"
     res = json.loads(src.read_text())
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)
@@ -45,12 +45,14 @@ def main(argv=None) -> Path:
     decode = list({(r["batch"], r["context"]): r for r in rows(res, "kernels-decode (partial)")
                    + rows(res, "decode")}.values())
     for ctx in sorted({r["context"] for r in decode}):
-        pts = sorted((r["batch"], r["tokens_per_s"], r["bytes"]["total"] / (r["ms_per_step"] * 1e-3)) for r in decode
-                     if r["context"] == ctx)
+        # a row's share of its own run's copy ceiling where it has one (the ceilings vary by run)
+        pts = sorted((r["batch"], r["tokens_per_s"], r.get("hbm_fraction") or (
+            r["bytes"]["total"] / (r["ms_per_step"] * 1e-3) / copy if copy else None))
+            for r in decode if r["context"] == ctx)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"context {ctx}")
-        if copy:
-            for b, tps, bps in pts:
-                ax1.annotate(f"{bps / copy:.0%}", (b, tps), textcoords="offset points", xytext=(4, -10), fontsize=8)
+        for b, tps, share in pts:
+            if share:
+                ax1.annotate(f"{share:.0%}", (b, tps), textcoords="offset points", xytext=(4, -10), fontsize=8)
     ax1.set(xscale="log", yscale="log", xlabel="batch (slots)", ylabel="decode tokens/s",
             title="decode (labels: bytes/time as a share of copy BW)")
     ax1.legend()
@@ -62,7 +64,8 @@ def main(argv=None) -> Path:
         ax2.bar([j + (i - 0.5) * width for j in range(len(prompts))], vals, width,
                 label="bounded replay " + ("on" if br else "off"))
     ax2.set_xticks(range(len(prompts)), [f"{p} tokens" for p in prompts])
-    ax2.set(ylabel="prefill tokens/s", title="prefill, one prompt, chunk 1024")
+    chunks = "/".join(str(c) for c in sorted({r.get("chunk", 1024) for r in prefill.values()}))
+    ax2.set(ylabel="prefill tokens/s", title=f"prefill, one prompt, chunk {chunks}")
     ax2.legend(loc="lower center")
     layers = runs(res)[0]["slice"]["layers"]
     fig.suptitle(f"DeepSeek-V4.1-Flash real-width {layers}-layer slice on one H200 (benchmarks/e2e_gpu.py)")
