@@ -303,8 +303,22 @@ def _sites_from_dump(dump_dir: str | None, module: str) -> dict[str, str]:
         return {}
     sites: dict[str, str] = {}
     for f in sorted(Path(dump_dir).glob(f"*{module}*after_optimizations.txt")):
-        sites.update(_hlo_sites(f.read_text()))
+        text = f.read_text()
+        sites.update(_hlo_sites(text))
+        _keep_hlo(f.name, text)
     return sites
+
+
+def _keep_hlo(name: str, text: str, limit: int = 16 << 20):
+    """The optimized HLO beside the results (gzipped; the device returns files under 16 MiB), so the
+    fusions a trace names can be read after the machine is gone."""
+    import gzip
+
+    out = Path(RESULTS.get("out_dir") or ".")
+    data = gzip.compress(text.encode(), 6)
+    if len(data) <= limit:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"hlo_{name.split('.')[0][:40]}.txt.gz").write_bytes(data)
 
 
 def _site_of(name: str, sites: dict[str, str]) -> str:
