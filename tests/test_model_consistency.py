@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from deepinfer_jax.model.cache import init_cache
 from deepinfer_jax.model.transformer import Numerics, forward

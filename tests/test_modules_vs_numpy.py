@@ -171,7 +171,7 @@ def test_select_ties_go_to_lower_index():
 
 def test_sink_attention_window_plus_compressed():
     r = rng(5)
-    t, h, d, w, s, k = 3, 4, 16, 5, 7, 3
+    t, h, d, w, s = 3, 4, 16, 5, 7
     q = r.standard_normal((t, h, d))
     win = r.standard_normal((w, d))
     comp = r.standard_normal((s, d))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax import platform as P
 from pallas_kernels import registry
-from pallas_kernels.registry import PALLAS_MOSAIC_GPU, REFERENCE, XLA, KernelUnavailableError, resolve
+from pallas_kernels.registry import PALLAS_MOSAIC_GPU, XLA, KernelUnavailableError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 

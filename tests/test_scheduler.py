@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.engine import scheduler as sched_mod
 from deepinfer_jax.engine.engram_device import advance_history, digit_bits, engram_rows_device, engram_tables
 from deepinfer_jax.engine.sampling import SamplingParams, empty_rows, request_seed, row_keys, sample, seed_words, set_row
 from deepinfer_jax.engine.scheduler import EngineConfig, ModelFns, Request, Scheduler

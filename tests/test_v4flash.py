@@ -14,7 +14,7 @@ import pytest
 from checkpoints.tiny_configs import TINY_V4FLASH
 from deepinfer_jax.checkpoint import hf_names
 from deepinfer_jax.checkpoint.names import DTYPES
-from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, expected_tensors
+from deepinfer_jax.checkpoint.tensor_specs import expected_tensors
 from deepinfer_jax.config import AttnMode, ModelConfig
 from deepinfer_jax.model import hadamard
 from deepinfer_jax.model.cache import init_cache

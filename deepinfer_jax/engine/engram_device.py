@@ -31,7 +31,6 @@ def engram_tables(cfg: ModelConfig, n_keys: int) -> dict[str, np.ndarray]:
         # the multipliers are bounded so that id * multiplier < 2**63 only for ids below this size
         raise ValueError(f"{n_keys} Engram keys exceed engram_compressed_vocab_size="
                          f"{cfg.engram_compressed_vocab_size} in config.json")
-    n = cfg.engram_max_ngram_size
     hi, lo, primes, offsets = [], [], [], []
     comp = np.arange(n_keys, dtype=np.int64)
     for lid in cfg.engram_layer_ids:

@@ -8,7 +8,6 @@ version (``method="sort"``), which is the fallback should a backend break it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.topk.reference import (ascending_with_unreachable_last, canonical_scores, pad_to_k,
