@@ -298,7 +298,8 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
 
 def _sites_from_dump(dump_dir: str | None, module: str) -> dict[str, str]:
     """Kernel name -> jax op_name, from the optimized HLO that ``--xla_dump_to`` wrote for modules whose
-    name holds ``module`` (a trace names XLA's kernels by HLO instruction, not by the jax op)."""
+    name holds ``module`` (a trace names XLA's kernels by HLO instruction, not by the jax op). Each
+    module read is also kept beside the results (``_keep_hlo``)."""
     if not dump_dir or not Path(dump_dir).is_dir():
         return {}
     sites: dict[str, str] = {}

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, ModelConfig
 from deepinfer_jax.model.cache import cache_shapes
+from deepinfer_jax.model.linear import held_as_bf16
 from deepinfer_jax.model.numerics import ENGINE_NUMERICS, Numerics, as_numerics
 from deepinfer_jax.sharding import (DEFAULT_RULES, MeshSpec, ShardingRules, abstract_params, leaf_spec, local_shape,
                                     tree_paths, validate_model_mesh)
@@ -239,15 +240,10 @@ def _dequantized_layer_elements(cfg: ModelConfig, ms: MeshSpec, rules: ShardingR
 
 def _dense_fp8_bytes(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, groups: tuple[str, ...]) -> int:
     """Bytes per device of the dense FP8 linears that ``linear.dequantize_dense_fp8`` holds as bf16 (one
-    byte per element more than stored): 2-D FP8 weights outside the routed experts and the row tables."""
+    byte per element more than stored; which ones: ``linear.held_as_bf16``)."""
     params = abstract_params(cfg, groups, mesh=ms, rules=rules)
-    n = 0
-    for path, sd in tree_paths(params):
-        if (len(sd.shape) != 2 or path[-1] != "weight" or sd.dtype != jnp.float8_e4m3fn
-                or "experts" in path or "embed" in path):
-            continue
-        n += math.prod(local_shape(sd.shape, leaf_spec(path, sd.shape, ms, rules, cfg), ms))
-    return n
+    return sum(math.prod(local_shape(sd.shape, leaf_spec(path, sd.shape, ms, rules, cfg), ms))
+               for path, sd in tree_paths(params) if held_as_bf16(path, sd))
 
 
 def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slots: int, max_len: int,

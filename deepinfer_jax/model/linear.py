@@ -80,10 +80,13 @@ def plain_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, comp
     return dense(x.astype(cd), p["weight"].astype(cd), numerics, out_dtype or numerics.dtype)
 
 
-def is_fp8_linear(p) -> bool:
-    """A linear's param dict holding an FP8 weight with its block scales (the checkpoint's dense layout)."""
-    return (isinstance(p, dict) and "scale" in p and hasattr(p.get("weight"), "dtype")
-            and p["weight"].dtype == jnp.float8_e4m3fn and p["weight"].ndim == 2)
+def held_as_bf16(path: tuple, leaf) -> bool:
+    """Whether ``dequantize_dense_fp8`` holds the param at ``path`` (a tuple of keys, e.g. from
+    ``sharding.tree_paths``; leaf: an array or ShapeDtypeStruct) as bf16: a 2-D FP8 ``weight`` outside
+    the routed experts (the grouped GEMM kernel dequantizes those in registers) and outside lookup
+    tables read by rows (the Engram table, ``embed``). The memory planner counts the same set."""
+    return (path[-1] == "weight" and len(leaf.shape) == 2 and leaf.dtype == jnp.float8_e4m3fn
+            and "experts" not in path and "embed" not in path)
 
 
 _dequant_bf16 = jax.jit(lambda p: weight_of(p, jnp.bfloat16))
@@ -96,22 +99,20 @@ def dequantize_dense_fp8(params: dict) -> dict:
     Same values (an E4M3 value times a power of two is exact in bf16), so the same bits; one more byte
     per weight at rest. The GPU engine does this at load: measured on the H200 12-layer slice at decode
     B=64, the step's per-layer FP8 -> bf16 converts took ~2.8 ms of a 37.6 ms step (benchmarks/NOTES.md).
-    The routed experts stay as stored (the grouped GEMM kernel dequantizes them in registers), and so
-    do lookup tables read by rows (the Engram table, ``embed``)."""
+    Which weights: ``held_as_bf16``."""
 
-    def walk(node, key=None):
-        if key in ("experts", "embed"):
-            return node
-        if is_fp8_linear(node):
-            out = {k: v for k, v in node.items() if k != "scale"}
-            w = _dequant_bf16({"weight": node["weight"], "scale": node["scale"]})
-            sharding = getattr(node["weight"], "sharding", None)
-            out["weight"] = w if sharding is None else jax.device_put(w, sharding)
-            return out
+    def walk(node, path):
         if isinstance(node, dict):
-            return {k: walk(v, k) for k, v in node.items()}
+            w = node.get("weight")
+            if "scale" in node and w is not None and held_as_bf16(path + ("weight",), w):
+                out = {k: v for k, v in node.items() if k != "scale"}
+                sharding = getattr(w, "sharding", None)
+                w = _dequant_bf16({"weight": w, "scale": node["scale"]})
+                out["weight"] = w if sharding is None else jax.device_put(w, sharding)
+                return out
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
+            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
         return node
 
-    return walk(params)
+    return walk(params, ())
