@@ -40,6 +40,7 @@ from pallas_kernels.attention import (SparseAttentionConfig, sparse_sink_attenti
                                       sparse_sink_attention_xla)
 from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
 from pallas_kernels.topk import topk_indices_xla
+from timing import cupti_ms   # benchmarks/timing.py (the script's folder is on sys.path)
 
 H, D, WINDOW, SELECTED = 64, 512, 128, 512
 K = WINDOW + SELECTED
@@ -107,7 +108,21 @@ CONFIGS = {"kernel/split640": SparseAttentionConfig(640), "kernel/split320": Spa
            "kernel/split128": SparseAttentionConfig(128),
            "kernel/split640/p2": SparseAttentionConfig(640, producer_warpgroups=2),
            "kernel/split320/p2": SparseAttentionConfig(320, producer_warpgroups=2),
-           "kernel/split128/p2": SparseAttentionConfig(128, producer_warpgroups=2)}
+           "kernel/split128/p2": SparseAttentionConfig(128, producer_warpgroups=2),
+           # row copies issued per warp (plgpu.warp_map) instead of per warpgroup
+           "kernel/split640/w": SparseAttentionConfig(640, row_issue="warps"),
+           "kernel/split320/w": SparseAttentionConfig(320, row_issue="warps"),
+           "kernel/split128/w": SparseAttentionConfig(128, row_issue="warps"),
+           # no TMA: the producer's threads copy 16-byte pieces of the rows (cp.async)
+           "kernel/split640/c": SparseAttentionConfig(640, row_issue="cp_async"),
+           "kernel/split320/c": SparseAttentionConfig(320, row_issue="cp_async"),
+           "kernel/split128/c": SparseAttentionConfig(128, row_issue="cp_async"),
+           # the consumer's register pressure: narrower p.kv wgmmas, or p.kv accumulated in place
+           "kernel/split320/pv64": SparseAttentionConfig(320, pv_cols=64),
+           "kernel/split640/pv64": SparseAttentionConfig(640, pv_cols=64),
+           "kernel/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
+           "kernel/split640/acc": SparseAttentionConfig(640, pv_cols=256, pv_in_place=True),
+           "kernel/split320/acc128": SparseAttentionConfig(320, pv_cols=128, pv_in_place=True)}
 
 
 def guarded(section_name, impl_name, fn, *args):
@@ -144,6 +159,9 @@ def copy_bandwidth():
     bw = 2 * x.nbytes / statistics.median(ts)
     RESULTS["copy_bw_Bps"] = bw
     log(f"copy: {bw / 1e12:.2f} TB/s (read+write)")
+    if (got := cupti_ms(f, x, iters=5)) is not None:   # the kernels' own bandwidth, for the kernel timings
+        RESULTS["copy_bw_kernel_Bps"] = 2 * x.nbytes / (got[0] * 1e-3)
+        log(f"copy: {RESULTS['copy_bw_kernel_Bps'] / 1e12:.2f} TB/s (read+write) by CUPTI")
 
 
 @section("correctness")
@@ -235,6 +253,19 @@ def bytes_per_call(b, t):
     return b * t * per_query
 
 
+def device_times(fn, args, nbytes: int) -> dict:
+    """CUPTI times of one call: the GPU's total (the wrapper's XLA ops too) and the Pallas kernel's
+    alone, with the kernel's bytes/s against the CUPTI copy ceiling. On the H200 (2026-12-04e) the
+    wall clock gave 85-100 us per decode call where ncu timed the kernel at 35 us: the wall clock
+    carries launch work, so these are the kernel's figures."""
+    got = cupti_ms(jax.jit(fn), *args, iters=5, match="mosaic")
+    if got is None or got[1] is None:
+        return {}
+    ceil = RESULTS.get("copy_bw_kernel_Bps")
+    return dict(gpu_us=got[0] * 1e3, kernel_us=got[1] * 1e3,
+                kernel_frac_copy_bw=nbytes / (got[1] * 1e-3) / ceil if ceil else float("nan"))
+
+
 @section("decode timings")
 def decode(names, contexts, reps_sets):
     rng = np.random.default_rng(3)
@@ -252,8 +283,14 @@ def decode(names, contexts, reps_sets):
                 continue
             bps = bytes_per_call(b, 1) / t
             frac = bps / bw if bw else float("nan")
-            rows.append(dict(context=ctx, impl=name, us=t * 1e6, GBps=bps / 1e9, frac_copy_bw=frac))
-            log(f"ctx {ctx:6d} (S={s:6d}) {name:18s} {t * 1e6:8.1f} us  {bps / 1e9:7.0f} GB/s  {frac:6.1%} of copy BW")
+            row = dict(context=ctx, impl=name, us=t * 1e6, GBps=bps / 1e9, frac_copy_bw=frac)
+            line = f"ctx {ctx:6d} (S={s:6d}) {name:18s} {t * 1e6:8.1f} us  {bps / 1e9:7.0f} GB/s  {frac:6.1%} of copy BW"
+            row.update(device_times(fn, sets[0], bytes_per_call(b, 1)))
+            if "kernel_us" in row:
+                line += (f" | GPU {row['gpu_us']:6.1f} us, kernel {row['kernel_us']:6.1f} us = "
+                         f"{row['kernel_frac_copy_bw']:6.1%} of the CUPTI copy")
+            rows.append(row)
+            log(line)
         del kv, sets
     RESULTS["decode"] = rows
 
@@ -280,7 +317,13 @@ def prefill(names):
 # ---- the FP4 two-source variant (window rows bf16, compressed rows as the cache stores them) -----------
 
 FP4_CONFIGS = {"fp4/split320": SparseAttentionConfig(320), "fp4/split640": SparseAttentionConfig(640),
-               "fp4/split320/nab": SparseAttentionConfig(320, no_auto_barriers=True)}
+               "fp4/split320/nab": SparseAttentionConfig(320, no_auto_barriers=True),
+               "fp4/split320/w": SparseAttentionConfig(320, row_issue="warps"),
+               "fp4/split640/w": SparseAttentionConfig(640, row_issue="warps"),
+               "fp4/split320/c": SparseAttentionConfig(320, row_issue="cp_async"),
+               "fp4/split640/c": SparseAttentionConfig(640, row_issue="cp_async"),
+               "fp4/split320/pv64": SparseAttentionConfig(320, pv_cols=64),
+               "fp4/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True)}
 
 
 def make_fp4_problem(key, rng, b, n, invalid_frac=0.0):
@@ -360,7 +403,7 @@ def fp4_section(names, contexts):
     for ctx in contexts:
         win, widx, comp, _ = make_fp4_problem(jax.random.key(ctx), rng, b, ctx)
         sets = [(make_q(jax.random.key(ctx + r), b, 1), win, widx, comp["values"], comp["scale"],
-                 make_idx(rng, b, 1, WINDOW + ctx)[..., WINDOW:] - WINDOW, sink) for r in range(8)]
+                 make_idx(rng, b, 1, WINDOW + ctx)[..., WINDOW:] - WINDOW, sink) for r in range(4)]
         for name, fn in fns.items():
             t = guarded("fp4", f"{name}/ctx{ctx}", timed, fn, sets)
             if t is None:
@@ -380,7 +423,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="copy,correct,invariance,topk,decode,prefill")
     ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
-                    help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2]")
+                    help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2|/w|/c]")
     # Each FP4 kernel shape compiles in ~15-30 s on the H200; the default pair keeps the section near 4 minutes.
     ap.add_argument("--fp4-impls", default="fp4/split320,bf16-decoded/kernel")
     ap.add_argument("--fp4-contexts", default="8192,32768,131072")

@@ -8,5 +8,6 @@ set -euo pipefail
 export XLA_FLAGS="--xla_allow_excess_precision=false ${XLA_FLAGS:-}"
 export JAX_PLATFORMS=cuda PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c 'import jax; print(jax.__version__, jax.devices())'
-python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_model_consistency.py tests/test_kv_cache.py \
+python3 -m pytest -q -p no:cacheprovider tests/test_invariance.py tests/test_scheduler.py tests/test_sampling.py \
+    tests/test_model_consistency.py tests/test_kv_cache.py tests/test_kv_cache_v4.py \
     tests/test_model_vs_numpy.py "$@"

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -56,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, WeightFormat, fit_stages, tuned_config  # noqa: E402
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
 from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
+from timing import cupti_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
 
 # GG_SHAPE="K,N,G" and GG_TOKENS="d1,d2,p1,p2" shrink the problem and GG_INTERPRET=1 runs the kernel in
 # the Mosaic GPU interpreter: a CPU smoke test of this script before spending device time.
@@ -110,19 +110,13 @@ def section(name: str, need_s: float):
 
 def kernel_times_ms(f, *args, iters: int = 10):
     """(total GPU ms per call, largest kernel's ms) by CUPTI; wall-clock fallback (total only)."""
-    jax.block_until_ready(f(*args))
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-        _, per_iter = profiler.measure(f, aggregate=False, iterations=iters)(*args)
-        totals = [sum(t for _, t in it) for it in per_iter]
-        biggest = [max(t for _, t in it) for it in per_iter]
-        return statistics.median(totals), statistics.median(biggest)
-    except Exception:  # noqa: BLE001
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t) / iters * 1e3, None
+    if (got := cupti_ms(f, *args, iters=iters)) is not None:
+        return got
+    t = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / iters * 1e3, None
 
 
 def fit(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.bfloat16) -> GroupedMatmulConfig:

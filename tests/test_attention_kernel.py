@@ -116,6 +116,10 @@ def test_xla_path_is_bitwise_batch_invariant(batch):
 def test_config_validation_and_shape_limits():
     with pytest.raises(ValueError, match="split_rows"):
         SparseAttentionConfig(split_rows=100)
+    with pytest.raises(ValueError, match="row_issue"):
+        SparseAttentionConfig(row_issue="lanes")
+    with pytest.raises(ValueError, match="pv_cols"):
+        SparseAttentionConfig(pv_cols=96)
     cfg = SparseAttentionConfig(split_rows=640)
     assert cfg.num_splits(640) == 1 and cfg.num_splits(641) == 2
     assert kernel_unsupported_reason(64, 512, cfg) is None
@@ -132,8 +136,10 @@ def _interpret():
     return gpu_interpreter(detect_races=True)
 
 
-@pytest.mark.parametrize("split_rows", [128, 64])   # one split (sink in the kernel) / two splits + merge
-def test_kernel_in_gpu_interpreter_matches_reference(split_rows):
+@pytest.mark.parametrize("split_rows,row_issue", [(128, "warpgroup"), (64, "warpgroup"), (64, "warps")])
+def test_kernel_in_gpu_interpreter_matches_reference(split_rows, row_issue):
+    """split 128: one split (sink in the kernel); 64: two splits + merge; row_issue: who issues the
+    row copies (the barrier counts differ per mode, so a wrong count hangs or races here)."""
     from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
 
     rng = np.random.default_rng(5)
@@ -142,7 +148,7 @@ def test_kernel_in_gpu_interpreter_matches_reference(split_rows):
     idx[0, 1, :] = -1                              # no valid entry -> 0
     idx[1, 0, :64] = -1                            # a whole 64-row block of skips
     idx[1, 1, :10] = idx[1, 1, 10]                 # duplicates
-    cfg = SparseAttentionConfig(split_rows=split_rows)
+    cfg = SparseAttentionConfig(split_rows=split_rows, row_issue=row_issue)
     with _interpret():
         got = jax.block_until_ready(sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, d ** -0.5, cfg))
     assert not races_found()
@@ -173,8 +179,24 @@ def test_kernel_in_gpu_interpreter_is_batch_invariant():
     assert np.array_equal(_bits(among[2]), _bits(alone[0]))
 
 
+def test_kernel_pv_column_split_changes_no_bits():
+    """pv_cols only cuts the p.kv output columns into narrower wgmmas: no sum changes, so the same bits."""
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+
+    rng = np.random.default_rng(7)
+    q, kv, idx, sink = _inputs(rng, 1, 2, 4, 128, 70, 64)
+    with _interpret():
+        outs = [sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, 0.1,
+                                             SparseAttentionConfig(split_rows=64, pv_cols=c)) for c in (64, 32)]
+    assert not races_found()
+    assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
+
+
 @pytest.mark.parametrize("cfg", [SparseAttentionConfig(640), SparseAttentionConfig(320),
-                                 SparseAttentionConfig(320, producer_warpgroups=2)])
+                                 SparseAttentionConfig(320, producer_warpgroups=2),
+                                 SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
+                                 SparseAttentionConfig(320, row_issue="warps"),
+                                 SparseAttentionConfig(320, row_issue="cp_async")])
 def test_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the kernel for CUDA on this CPU machine: Mosaic GPU's Python lowering checks the
     layout, tiling, swizzle and TMA rules that the interpreter ignores (a wrong tile or copy fails here)."""
@@ -276,7 +298,9 @@ def test_fp4_shape_limits_and_errors():
 
 
 @pytest.mark.parametrize("cfg", [SparseAttentionConfig(320), SparseAttentionConfig(640),
-                                 SparseAttentionConfig(320, no_auto_barriers=True)])
+                                 SparseAttentionConfig(320, no_auto_barriers=True),
+                                 SparseAttentionConfig(320, row_issue="warps"),
+                                 SparseAttentionConfig(320, row_issue="cp_async")])
 def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
     are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -100,6 +101,7 @@ def test_arrival_order_does_not_matter(llm):
 
 RESTART = """
 import json, sys
+import jax
 import numpy as np
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.sampling import SamplingParams
@@ -117,7 +119,9 @@ def test_same_bits_across_a_restart(llm, tiny_ckpt):
     prompt, params = TARGETS["sampled"]
     here = _run_among(_generate(llm), "sampled", _prompts(3, 30), 1)
     spec = {"ckpt": str(tiny_ckpt), "engine": ENGINE, "prompt": prompt, "params": params.to_dict(), "id": "sampled"}
-    env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu",
+    # The child runs on this process's backend (benchmarks/gpu_invariance.sh runs this file on a GPU).
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS=platform,
                JAX_COMPILATION_CACHE_DIR=str(ROOT / ".pytest_cache" / "jax_compilation_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     res = subprocess.run([sys.executable, "-c", RESTART, json.dumps(spec)], capture_output=True, text=True,

@@ -35,6 +35,22 @@ class SparseAttentionConfig:
     #: Drop the warpgroup sync Pallas inserts before every copy (and smem access); the kernel's own
     #: barriers order its buffers. A speed experiment until measured on the H200.
     no_auto_barriers: bool = False
+    #: Who issues the per-row TMA copies: "warpgroup" (Pallas' warpgroup copy: every one of the 128
+    #: threads arrives on the barrier behind a warpgroup sync, ~200 cycles a row, the measured limit of
+    #: the kernel) or "warps" (``plgpu.warp_map``: each of the producer's four warps issues its own
+    #: quarter of the rows, one lane per copy, no warpgroup sync per row; measured no faster) or
+    #: "cp_async" (no TMA: the producer's 128 threads copy 16-byte pieces of the rows, ``cp_async.py``;
+    #: GPU only, the Mosaic GPU interpreter cannot run it).
+    row_issue: str = "warpgroup"
+    #: Output columns per p.kv wgmma (a divisor of head_dim/2; larger = fewer, wider wgmmas). Splitting
+    #: the output columns changes no sum, so any value gives the same bits.
+    pv_cols: int = 128
+    #: Accumulate p.kv into the (rescaled) running output instead of a fresh accumulator added after:
+    #: 64 x pv_cols fewer live floats in the consumer, which spilled registers on the H200 (ncu
+    #: 2026-12-04e: local-memory loads, long-scoreboard stalls 43 %). Other rounding of the running sum
+    #: (the tensor core adds it), and GPU only: the Mosaic GPU interpreter runs no preinitialized
+    #: accumulator.
+    pv_in_place: bool = False
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
@@ -42,6 +58,11 @@ class SparseAttentionConfig:
                              f"{BLOCK_ROWS}")
         if self.producer_warpgroups not in (1, 2):
             raise ValueError(f"SparseAttentionConfig.producer_warpgroups={self.producer_warpgroups} must be 1 or 2")
+        if self.pv_cols not in (32, 64, 128, 256):
+            raise ValueError(f"SparseAttentionConfig.pv_cols={self.pv_cols} must be 32, 64, 128 or 256")
+        if self.row_issue not in ("warpgroup", "warps", "cp_async"):
+            raise ValueError(f"SparseAttentionConfig.row_issue={self.row_issue!r} must be 'warpgroup', 'warps' "
+                             "or 'cp_async'")
 
     def num_splits(self, k: int) -> int:
         return -(-k // self.split_rows)

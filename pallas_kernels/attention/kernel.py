@@ -46,6 +46,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32  # the grouped GEMM's "arith" E2M1 decode
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
+from pallas_kernels.attention import cp_async
 from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
 
 _LOG2E = math.log2(math.e)
@@ -53,12 +54,14 @@ _NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see
 _SWIZZLE = 64     # bytes; 32 bf16 columns per tile, so each consumer's 32 probability columns are whole tiles
 _HALF_ROWS = BLOCK_ROWS // 2
 _FP4_GROUP = 16   # values per E4M3 scale in the compressed cache (kv_codec.COMPRESSED)
+_WARPS = 4        # per warpgroup
 
 
 
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
            scale: float, n_producers: int, win_blocks: int | None = None, groups: int = 1,
-           no_auto_barriers: bool = False):
+           no_auto_barriers: bool = False, row_issue: str = "warpgroup", pv_cols: int = 128,
+           pv_in_place: bool = False):
     """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64];
     with ``win_blocks`` (FP4 mode) also values [B, N, D/2] uint8 and the per-query gathered scales
     [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
@@ -68,7 +71,12 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         raise ValueError("the FP4 kernel has one producer warpgroup")
     h, d = HEAD_GROUP, head_dim
     dh = d // 2                      # output columns per consumer warpgroup
-    cw = 128 if dh % 128 == 0 else 64  # output columns per p.kv wgmma (keeps the fresh accumulator small)
+    # Output columns per p.kv wgmma. A fresh accumulator of 64 x cw floats lives beside the 64 x D/2
+    # output in registers (the consumer's spills on the H200 came from this pair); pv_in_place makes
+    # the output itself the accumulator (rescaled, then accumulated into by the tensor core).
+    cw = min(pv_cols, dh)
+    if dh % cw:
+        raise ValueError(f"pv_cols={pv_cols} must divide head_dim/2={dh}")
     n_chunks = dh // cw
     n_blocks = split_rows // BLOCK_ROWS
     row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head
@@ -172,8 +180,13 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     def pv(acc_ref, cols=cols):
                         plgpu.wgmma(acc_ref, probs, tiled.at[:, cols])
                         return acc_ref[...]
-                    pv_c = pl.run_scoped(pv, plgpu.ACC((h, cw), jnp.float32))
-                    o_new.append(o[c] * lax.broadcast_in_dim(alpha, (h, cw), [0]) + pv_c)
+                    scaled = o[c] * lax.broadcast_in_dim(alpha, (h, cw), [0])
+                    if pv_in_place:
+                        o_new.append(pl.run_state(lambda acc_ref, cols=cols: plgpu.wgmma(acc_ref, probs,
+                                                                                         tiled.at[:, cols]))(
+                            plgpu.ACC.init(scaled)))
+                    else:
+                        o_new.append(scaled + pl.run_scoped(pv, plgpu.ACC((h, cw), jnp.float32)))
                 rendezvous()  # both p.kv products are done before tiled/probs/xmax are rewritten
                 return tuple(o_new), m_new, l
 
@@ -196,6 +209,49 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     o_ref.at[n, split, :, pl.ds(half * dh + c * cw, cw)][...] = o[c]
                 if half == 0:
                     lse_ref.at[n, split][...] = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+
+        def copy_rows(i, half, src_ref, dst_half):
+            """Start copying the selected rows of block i's half: src_ref[batch, row] -> dst_half[j], j < 32.
+            TMA modes: one TMA per row, each one of ``ready[half]``'s 32 arrivals. "cp_async": the
+            producer's threads copy 16-byte pieces and arrive in ``publish``."""
+            if row_issue == "cp_async":
+                cp_async.gather_rows(idx_smem.at[i], src_ref.at[batch], dst_half, first=half * _HALF_ROWS,
+                                     rows=_HALF_ROWS, row_bytes=src_ref.shape[-1] * src_ref.dtype.itemsize)
+                return
+
+            def one(j):
+                row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
+                plgpu.copy_gmem_to_smem(src_ref.at[batch, pl.ds(row, 1)], dst_half.at[pl.ds(j, 1)], ready.at[half])
+
+            if row_issue == "warpgroup":
+                for j in range(_HALF_ROWS):
+                    one(j)
+                return
+
+            # Each warp issues a quarter of the rows from one lane; a warp-level copy arrives 4 x 32
+            # times, i.e. once in the warpgroup units the barrier counts, so ``ready`` is unchanged.
+            # The row numbers are read before the fork (Mosaic lowers no shared-memory load inside a
+            # warp context) and picked per warp by selects.
+            per_warp = _HALF_ROWS // _WARPS
+            rows = [jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0) for j in range(_HALF_ROWS)]
+
+            @plgpu.warp_map
+            def _(warp):
+                for jj in range(per_warp):
+                    row = rows[jj]
+                    for w in range(1, _WARPS):
+                        row = jnp.where(warp == w, rows[w * per_warp + jj], row)
+                    plgpu.copy_gmem_to_smem(src_ref.at[batch, pl.ds(row, 1)],
+                                            dst_half.at[pl.ds(warp * per_warp + jj, 1)], ready.at[half])
+
+        def publish(halves):
+            """cp_async: once this thread's pieces of each half (one group per half, in order) have
+            landed, arrive on that half's ``ready`` (128 thread arrivals complete it)."""
+            if row_issue != "cp_async":
+                return
+            for k, half in enumerate(halves):
+                cp_async.wait_groups(len(halves) - 1 - k)
+                plgpu.barrier_arrive(ready.at[half])
 
         def producer(halves: tuple[int, ...]):
             # Mosaic's copy_gmem_to_smem makes all 128 threads of the issuing warpgroup arrive on the
@@ -224,10 +280,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     @pl.when(g < win_blocks)
                     def _():
                         for half in (0, 1):
-                            for j in range(_HALF_ROWS):
-                                row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
-                                plgpu.copy_gmem_to_smem(kv_ref.at[batch, pl.ds(row, 1)],
-                                                        stage.at[half, pl.ds(j, 1)], ready.at[half])
+                            copy_rows(i, half, kv_ref, stage.at[half])
 
                     # Every block brings a scale slot (zeros for window blocks): the consumers then wait
                     # on it unconditionally, which keeps barrier waits out of branches.
@@ -236,11 +289,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     @pl.when(g >= win_blocks)
                     def _():
                         for half in (0, 1):
-                            for j in range(_HALF_ROWS):
-                                r = half * _HALF_ROWS + j
-                                row = jnp.maximum(idx_smem[i, r], 0)
-                                plgpu.copy_gmem_to_smem(cv_ref.at[batch, pl.ds(row, 1)], fstage.at[pl.ds(r, 1)],
-                                                        ready.at[half])
+                            copy_rows(i, half, cv_ref, fstage.at[pl.ds(half * _HALF_ROWS, _HALF_ROWS)])
+                    publish((0, 1))   # either branch committed one cp.async group per half
                 plgpu.barrier_wait(q_bar)
                 plgpu.barrier_wait(free.at[0])
                 plgpu.barrier_wait(free.at[1])
@@ -252,10 +302,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     @pl.when(i > 0)
                     def _():
                         plgpu.barrier_wait(free.at[half])
-                    for j in range(_HALF_ROWS):
-                        row = jnp.maximum(idx_smem[i, half * _HALF_ROWS + j], 0)
-                        plgpu.copy_gmem_to_smem(kv_ref.at[batch, pl.ds(row, 1)], stage.at[half, pl.ds(j, 1)],
-                                                ready.at[half])
+                    copy_rows(i, half, kv_ref, stage.at[half])
+                publish(halves)
             # Observe the last phases so every barrier is quiescent when the kernel ends.
             if 0 in halves:
                 plgpu.barrier_wait(q_bar)
@@ -275,7 +323,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
          plgpu.SMEM((2, h), jnp.float32)),                                # per-half maxima / sums
         (plgpu.Barrier(num_arrivals=2),
          plgpu.Barrier(),
-         plgpu.Barrier(num_arrivals=_HALF_ROWS, num_barriers=2),
+         plgpu.Barrier(num_arrivals=1 if row_issue == "cp_async" else _HALF_ROWS, num_barriers=2),
          plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_arrivals=2)),
     )
@@ -373,7 +421,8 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     idx = _split_blocks(idx.reshape(b * t, kp), groups, config)
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
-                  config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers)
+                  config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers, row_issue=config.row_issue,
+                  pv_cols=config.pv_cols, pv_in_place=config.pv_in_place)
     return _outputs(call(q, kv_bsd, idx, sink), sink, q_bthd.shape)
 
 
@@ -427,6 +476,7 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
     cs = rows.reshape(b * t, kp // BLOCK_ROWS, BLOCK_ROWS, d // _FP4_GROUP).transpose(0, 1, 3, 2)
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale), 1,
-                  win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers)
+                  win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers,
+                  row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place)
     outs = call(q, win_kv_bsd[..., order], idx, sink, comp_values_bnc, cs)
     return _outputs(outs, sink, q_bthd.shape)[..., jnp.argsort(order)]
