@@ -65,7 +65,9 @@ def _attention_inputs(rng, b, t, h, d, w, n, k):
     window mask, the FP4 compressed cache as stored, and a top-k selection with -1 entries."""
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
     win = fake_quant_fp8(jnp.asarray(rng.standard_normal((b, w + t, d)), jnp.float32)).astype(jnp.bfloat16)
-    mask = jnp.asarray(rng.random((b, t, w + t)) < 0.7).at[0, 0].set(False)   # (0, 0): window empty
+    mask = rng.random((b, t, w + t)) < 0.7
+    mask &= np.cumsum(mask, axis=-1) <= w        # a query sees at most W keys, as window_keys' masks
+    mask = jnp.asarray(mask).at[0, 0].set(False)  # (0, 0): window empty
     comp = kv_codec.encode(kv_codec.COMPRESSED, fake_quant_fp4_e4m3(
         jnp.asarray(rng.standard_normal((b, n, d)) * 2, jnp.float32)), True, jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-1, n, (b, t, k)), jnp.int32)
@@ -92,12 +94,36 @@ def test_sparse_inputs_equal_the_model_path_in_float32():
     rng = np.random.default_rng(0)
     q, win, mask, comp, idx, sink = _attention_inputs(rng, 2, 3, 4, 64, 8, 10, 4)
     want = sink_attention(q, win, mask, comp, idx, sink, 0.125, jax.lax.Precision.HIGHEST)
-    kv, ids = sparse_inputs(win, mask, comp, idx, jnp.float32)
-    assert ids.shape == (2, 3, 8 + 3 + 4)
+    kv, ids = sparse_inputs(win, mask, comp, idx, jnp.float32, window=8)
+    assert ids.shape == (2, 3, 8 + 4)          # the window part compacted to W columns (window_index)
     got = sparse_sink_attention_reference(q, kv, ids, sink, 0.125)
     # Both float32 at HIGHEST over the same 15 rows; only the summation order differs.
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
     assert float(jnp.max(jnp.abs(got[0, 0]))) > 0.1     # the window-less query attends its compressed rows
+
+
+def test_window_index_lists_every_visible_key_in_order():
+    """window_index compacts each query's visible columns into W slots (-1 after), for the masks
+    window_keys makes (a ring in slot order, stale slots, a chunk longer than the window) and random
+    ones with at most W per query; nothing visible is dropped."""
+    from deepinfer_jax.model.window import window_index, window_keys
+
+    rng = np.random.default_rng(3)
+    w, t, b = 8, 21, 3
+    pos = np.stack([np.arange(30, 30 + t), np.arange(5, 5 + t), np.r_[np.arange(40, 40 + t - 4), [-1] * 4]])
+    ring_pos = np.stack([np.arange(22, 30)[np.argsort(np.arange(22, 30) % w)],        # slot = pos mod W
+                         np.r_[np.arange(0, 5), [-1] * 3], np.arange(50, 58)])        # 3rd: stale slots
+    _, mask = window_keys(jnp.zeros((b, w, 4)), jnp.asarray(ring_pos), jnp.zeros((b, t, 4)), jnp.asarray(pos), w)
+    rnd = rng.random((b, t, w + t)) < 0.5
+    rnd &= np.cumsum(rnd, axis=-1) <= w
+    for m in (np.asarray(mask), rnd):
+        got = np.asarray(window_index(jnp.asarray(m), w))
+        assert got.shape == (b, t, w)
+        for bi in range(b):
+            for ti in range(t):
+                cols = np.flatnonzero(m[bi, ti])
+                assert np.array_equal(got[bi, ti], np.r_[cols, [-1] * (w - cols.size)]), (bi, ti)
+    assert np.asarray(mask).sum(-1).max() == w     # the realistic masks do fill the window
 
 
 def test_attention_auto_is_bitwise_the_model_path_and_ops_is_close():

@@ -17,7 +17,7 @@ from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
 from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
-from deepinfer_jax.model.window import window_keys, window_update
+from deepinfer_jax.model.window import window_index, window_keys, window_update
 
 
 def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
@@ -50,11 +50,14 @@ def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
 
 def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None, idx_btk: jax.Array | None,
-                  dtype, comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> tuple[jax.Array, jax.Array]:
+                  dtype, comp_layout: kv_codec.Layout = kv_codec.COMPRESSED,
+                  window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The window keys and the compressed KV as one ``sparse_sink_attention`` problem: kv [B, W+T(+N), D]
-    (window rows first) and idx [B, T, W+T(+K)] (window rows by mask, then the selection offset by W+T)."""
-    b, t, n_w = win_mask_btw.shape
-    idx_w = jnp.where(win_mask_btw, jnp.arange(n_w, dtype=jnp.int32), -1)
+    (window rows first) and idx [B, T, window(+K)] (each query's visible window rows, ``window_index``,
+    then the selection offset by W+T). window: the most window keys a query sees (None: W+T, no
+    compaction)."""
+    n_w = win_mask_btw.shape[-1]
+    idx_w = window_index(win_mask_btw, n_w if window is None else window)
     kv = win_k_bwd.astype(dtype)
     if idx_btk is None:
         return kv, idx_w
@@ -74,6 +77,7 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     from pallas_kernels import attention as pk_attn
 
     h, d = q_bthd.shape[-2:]
+    ring = win_k_bwd.shape[1] - q_bthd.shape[1]   # window_keys' keys: the ring W, then the chunk's T rows
     config = pk_attn.SparseAttentionConfig()
     # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
@@ -87,12 +91,11 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)
     if fp4:
-        n_w = win_mask_btw.shape[-1]
-        win_idx = jnp.where(win_mask_btw, jnp.arange(n_w, dtype=jnp.int32), -1)
-        return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype), win_idx, comp_kv["values"],
+        return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype),
+                                                 window_index(win_mask_btw, ring), comp_kv["values"],
                                                  comp_kv["scale"], idx_btk.astype(jnp.int32), sink_h, scale,
                                                  config=config, impl=impl)
-    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout)
+    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout, ring)
     if impl == "interpret":
         from pallas_kernels.attention.config import BLOCK_ROWS
         from pallas_kernels.attention.kernel import sparse_sink_attention_pallas

@@ -22,6 +22,25 @@ def window_keys(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array,
     return jnp.concatenate([win_kv_bwd, kv_btd.astype(win_kv_bwd.dtype)], axis=1), mask
 
 
+def window_index(mask_btk: jax.Array, width: int) -> jax.Array:
+    """mask [B, T, K] -> each query's visible key columns in column order, padded with -1 to [B, T, width]:
+    the index list the sparse-attention ops take. ``width`` must be at least the most keys any query
+    sees: for ``window_keys``' masks the ring size W (a query sees distinct positions in (q - window, q],
+    window <= W); columns past it would be dropped.
+
+    Why: the mask's W+T columns would make every query of a T-token prefill chunk walk T/64 blocks of
+    skipped rows in the attention kernel (and decode 3 blocks instead of 2). Row-local, so batch-invariant."""
+    b, t, k = mask_btk.shape
+    if width >= k:
+        return jnp.where(mask_btk, jnp.arange(k, dtype=jnp.int32), -1)
+    rank = jnp.cumsum(mask_btk.astype(jnp.int32), axis=-1) - 1
+    dest = jnp.where(mask_btk, rank, width)                       # width = out of range: dropped
+    bi = jnp.arange(b)[:, None, None]
+    ti = jnp.arange(t)[None, :, None]
+    cols = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), mask_btk.shape)
+    return jnp.full((b, t, width), -1, jnp.int32).at[bi, ti, dest].set(cols, mode="drop", unique_indices=True)
+
+
 def window_update(win_stored: dict, win_pos_bw: jax.Array, kv_stored: dict,
                   pos_bt: jax.Array) -> tuple[dict, jax.Array]:
     """Write the chunk's newest W rows into their slots (rows are contiguous in position).
