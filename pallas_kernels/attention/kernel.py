@@ -254,9 +254,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                 plgpu.barrier_arrive(ready.at[half])
 
         def producer(halves: tuple[int, ...]):
-            # Mosaic's copy_gmem_to_smem makes all 128 threads of the issuing warpgroup arrive on the
-            # barrier for every row, which makes the row-issue loop the kernel's bottleneck; with two
-            # producer warpgroups each issues one landing slot's rows.
+            # With two producer warpgroups each issues one landing slot's rows. (How the rows are issued
+            # does not set the kernel's speed: on the H200 every ``row_issue`` timed alike, README.md.)
             plgpu.set_max_registers(24 if n_producers == 2 else 40, action="decrease")
             if 0 in halves:
                 for c in range(2):
