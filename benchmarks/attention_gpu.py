@@ -67,8 +67,9 @@ def section(name):
     return wrap
 
 
-def timed(fn, arg_sets, reps=5):
-    """Seconds per call: fn applied to each arg set inside one jit, median over reps."""
+def timed(fn, arg_sets, reps=5, device: int | None = None):
+    """Seconds per call: fn applied to each arg set inside one jit, median over reps. device: also
+    ``device_times`` of the same compiled program for a call reading that many bytes -> (seconds, dict)."""
     many = jax.jit(lambda sets: [fn(*a) for a in sets])
     jax.block_until_ready(many(arg_sets))
     ts = []
@@ -76,7 +77,8 @@ def timed(fn, arg_sets, reps=5):
         t0 = time.perf_counter()
         jax.block_until_ready(many(arg_sets))
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / len(arg_sets)
+    t = statistics.median(ts) / len(arg_sets)
+    return t if device is None else (t, device_times(many, arg_sets, device))
 
 
 def make_kv(key, b, s):
@@ -253,17 +255,19 @@ def bytes_per_call(b, t):
     return b * t * per_query
 
 
-def device_times(fn, args, nbytes: int) -> dict:
-    """CUPTI times of one call: the GPU's total (the wrapper's XLA ops too) and the Pallas kernel's
-    alone, with the kernel's bytes/s against the CUPTI copy ceiling. On the H200 (2026-12-04e) the
-    wall clock gave 85-100 us per decode call where ncu timed the kernel at 35 us: the wall clock
-    carries launch work, so these are the kernel's figures."""
-    got = cupti_ms(jax.jit(fn), *args, iters=5, match="mosaic")
+def device_times(many, arg_sets, nbytes: int) -> dict:
+    """CUPTI times per call of ``timed``'s compiled program (one call per arg set): the GPU's total (the
+    wrapper's XLA ops too) and the Pallas kernel's alone, with the kernel's bytes/s (nbytes a call)
+    against the CUPTI copy ceiling. On the H200 (2026-12-04e) the wall clock gave 85-100 us per decode
+    call where ncu timed the kernel at 35 us: the wall clock carries launch work, so these are the
+    kernel's figures."""
+    got = cupti_ms(many, arg_sets, iters=5, match="mosaic")
     if got is None or got[1] is None:
         return {}
+    n = len(arg_sets)
     ceil = RESULTS.get("copy_bw_kernel_Bps")
-    return dict(gpu_us=got[0] * 1e3, kernel_us=got[1] * 1e3,
-                kernel_frac_copy_bw=nbytes / (got[1] * 1e-3) / ceil if ceil else float("nan"))
+    return dict(gpu_us=got[0] * 1e3 / n, kernel_us=got[1] * 1e3 / n,
+                kernel_frac_copy_bw=nbytes / (got[1] * 1e-3 / n) / ceil if ceil else float("nan"))
 
 
 @section("decode timings")
@@ -278,14 +282,15 @@ def decode(names, contexts, reps_sets):
         kv = make_kv(jax.random.key(ctx), b, s)
         sets = [(make_q(jax.random.key(ctx + r), b, 1), kv, make_idx(rng, b, 1, s), sink) for r in range(reps_sets)]
         for name, fn in impls(names).items():
-            t = guarded("decode", f"{name}/ctx{ctx}", timed, fn, sets)
-            if t is None:
+            got = guarded("decode", f"{name}/ctx{ctx}", timed, fn, sets, 5, bytes_per_call(b, 1))
+            if got is None:
                 continue
+            t, dev = got
             bps = bytes_per_call(b, 1) / t
             frac = bps / bw if bw else float("nan")
             row = dict(context=ctx, impl=name, us=t * 1e6, GBps=bps / 1e9, frac_copy_bw=frac)
             line = f"ctx {ctx:6d} (S={s:6d}) {name:18s} {t * 1e6:8.1f} us  {bps / 1e9:7.0f} GB/s  {frac:6.1%} of copy BW"
-            row.update(device_times(fn, sets[0], bytes_per_call(b, 1)))
+            row.update(dev)
             if "kernel_us" in row:
                 line += (f" | GPU {row['gpu_us']:6.1f} us, kernel {row['kernel_us']:6.1f} us = "
                          f"{row['kernel_frac_copy_bw']:6.1%} of the CUPTI copy")

@@ -101,7 +101,6 @@ def test_arrival_order_does_not_matter(llm):
 
 RESTART = """
 import json, sys
-import jax
 import numpy as np
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.sampling import SamplingParams

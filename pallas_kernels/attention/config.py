@@ -35,12 +35,12 @@ class SparseAttentionConfig:
     #: Drop the warpgroup sync Pallas inserts before every copy (and smem access); the kernel's own
     #: barriers order its buffers. A speed experiment until measured on the H200.
     no_auto_barriers: bool = False
-    #: Who issues the per-row TMA copies: "warpgroup" (Pallas' warpgroup copy: every one of the 128
-    #: threads arrives on the barrier behind a warpgroup sync, ~200 cycles a row, the measured limit of
-    #: the kernel) or "warps" (``plgpu.warp_map``: each of the producer's four warps issues its own
-    #: quarter of the rows, one lane per copy, no warpgroup sync per row; measured no faster) or
-    #: "cp_async" (no TMA: the producer's 128 threads copy 16-byte pieces of the rows, ``cp_async.py``;
-    #: GPU only, the Mosaic GPU interpreter cannot run it).
+    #: Who issues the per-row copies: "warpgroup" (Pallas' warpgroup TMA copy: every one of the 128
+    #: threads arrives on the barrier behind a warpgroup sync), "warps" (``plgpu.warp_map``: each of the
+    #: producer's four warps issues its own quarter of the rows, one lane per TMA) or "cp_async" (no
+    #: TMA: the producer's 128 threads copy 16-byte pieces of the rows, ``cp_async.py``; GPU only, the
+    #: Mosaic GPU interpreter cannot run it). On the H200 all three timed alike (README.md): the row
+    #: issue is not what limits the kernel.
     row_issue: str = "warpgroup"
     #: Output columns per p.kv wgmma (a divisor of head_dim/2; larger = fewer, wider wgmmas). Splitting
     #: the output columns changes no sum, so any value gives the same bits.
