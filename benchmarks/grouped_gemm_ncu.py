@@ -9,7 +9,7 @@
     python3 benchmarks/grouped_gemm_ncu.py --summarize $OUT/fp4_sass.csv [weight elements]
 
 ``--summarize`` reads a source-page CSV, or its .gz (any machine): instructions and stall samples by opcode, stall
-reasons, shared-memory wavefronts against the ideal, the hottest instruction's share of the samples
+reasons, the samples' share per 100-instruction window of the code, shared-memory wavefronts against the ideal, the hottest instruction's share of the samples
 (on 2026-12-04 the producer's barrier-wait branch), and, given the kernel's weight element count,
 thread-instructions per weight element.
 
@@ -81,10 +81,13 @@ def summarize(csv_path: str, weight_elements: float | None = None) -> None:
             return 0.0
 
     data = rows[2:]
+    def op_of(r):
+        words = r[col["Source"]].split()
+        return (words[1] if words and words[0].startswith("@") else words[0] if words else "").split(".")[0]
+
     inst, samp = collections.Counter(), collections.Counter()
     for r in data:
-        words = r[col["Source"]].split()
-        op = (words[1] if words and words[0].startswith("@") else words[0] if words else "").split(".")[0]
+        op = op_of(r)
         inst[op] += num(r, "Instructions Executed")
         samp[op] += num(r, "Warp Stall Sampling (All Samples)")
     n_inst, n_samp = sum(inst.values()), sum(samp.values())
@@ -101,6 +104,15 @@ def summarize(csv_path: str, weight_elements: float | None = None) -> None:
           f"{num(hot, 'Warp Stall Sampling (All Samples)') / n_samp:.1%} of samples")
     if weight_elements:
         print(f"thread-instructions per weight element: {n_inst * 32 / weight_elements:.2f}")
+    # Where in the code the samples fall: the share of each 100-instruction window (SASS order), with the
+    # launch count of its most executed instructions (per-block code, per-CTA code) and its main opcodes.
+    print("stall samples by 100-instruction window (share, executions, opcodes):")
+    for w0 in range(0, len(data), 100):
+        seg = data[w0:w0 + 100]
+        share = sum(num(r, "Warp Stall Sampling (All Samples)") for r in seg) / n_samp
+        execs = collections.Counter(int(num(r, "Instructions Executed")) for r in seg).most_common(1)[0][0]
+        ops = collections.Counter(op_of(r) for r in seg).most_common(4)
+        print(f"  {w0:5d} {share:6.1%} {execs:7d}x  " + " ".join(f"{o}:{c}" for o, c in ops))
 
 
 if __name__ == "__main__":
