@@ -43,6 +43,13 @@ def toy_reset_slots(cache, reset_b):
             "rings": tuple(dict(r, pos=clear(r["pos"])) for r in cache["rings"])}
 
 
+def _mm(a, b):
+    # True fp32 products: jax's default precision on a GPU lets fp32 dots run as TF32, and one ulp of
+    # summation-order difference upstream then flips TF32 roundings (measured on the H200: logprobs
+    # 1.7 % apart, same tokens), which the tests' fp32 round-off tolerance would not cover.
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _toy_ring_layer(ring, x_btd, up_bt, w_dd, window):
     """Window attention over a ring that, like model/window.py, trusts ring rows below the chunk's first
     position; rows with up_bt = -1 pass x through and write nothing."""
@@ -53,7 +60,7 @@ def _toy_ring_layer(ring, x_btd, up_bt, w_dd, window):
     q = up_bt[:, :, None]
     m = (kpos[:, None] >= 0) & (kpos[:, None] <= q) & (kpos[:, None] > q - window)
     ctx = jnp.sum(jnp.where(m[..., None], kval[:, None], 0.0), 2) / jnp.maximum(jnp.sum(m, 2), 1)[..., None]
-    y = jnp.where((up_bt >= 0)[..., None], jnp.tanh((x_btd + ctx) @ w_dd), x_btd)
+    y = jnp.where((up_bt >= 0)[..., None], jnp.tanh(_mm(x_btd + ctx, w_dd)), x_btd)
     rows = jnp.arange(x_btd.shape[0])[:, None]
     slot = jnp.where(up_bt >= 0, up_bt % window, window)
     return y, {"kv": ring["kv"].at[rows, slot].set(x_btd, mode="drop"),
@@ -76,7 +83,7 @@ def toy_hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, nu
     low_pos = cache["low_pos"].at[rows, where].set(positions_bt, mode="drop")
     vis = (low_pos[:, None, :] >= 0) & (low_pos[:, None, :] <= positions_bt[:, :, None])  # [B, T, L]
     mean = jnp.sum(jnp.where(vis[..., None], low[:, None], 0.0), 2) / jnp.maximum(jnp.sum(vis, 2), 1)[..., None]
-    h = jnp.tanh(mean @ params["w1"])
+    h = jnp.tanh(_mm(mean, params["w1"]))
     up = positions_bt if replay_mask_bt is None else jnp.where(replay_mask_bt, positions_bt, -1)
     rings = []
     for i, ring in enumerate(cache["rings"]):
@@ -86,7 +93,7 @@ def toy_hidden(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, nu
 
 
 def toy_head(params, h_btd):
-    return (h_btd @ params["out"]).astype(jnp.float32)
+    return _mm(h_btd, params["out"]).astype(jnp.float32)
 
 
 TOY = ModelFns(toy_hidden, toy_head, toy_init_cache, toy_reset_slots)
