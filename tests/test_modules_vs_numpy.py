@@ -7,6 +7,7 @@ masks) must be identical.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -167,6 +168,31 @@ def test_select_ties_go_to_lower_index():
     scores = np.array([[1.0, 3.0, 3.0, 2.0, 3.0, -np.inf]])
     assert np.asarray(topk_positions(jnp.asarray(scores, jnp.float32), 2)).tolist() == [[1, 2]]
     assert np.array_equal(np.asarray(topk_positions(jnp.asarray(scores, jnp.float32), 6)), ref.select_topk(scores, 6))
+
+
+@pytest.mark.parametrize("method", ["select", "sort"])
+def test_topk_positions_matches_a_lexsort_on_adversarial_rows(method):
+    """Both selection methods against numpy's lexsort on (-score, index): heavy ties, +-0, subnormals
+    (XLA flushes them: they tie with zero), +-inf, NaN (unreachable), fewer reachable entries than k,
+    and k above the row length."""
+    r = rng(11)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 1e-40, -1e-40, 3.4e38], np.float32)
+    rows = np.concatenate([r.standard_normal((8, 48)), r.integers(-2, 3, (8, 48)), r.choice(specials, (16, 48)),
+                           np.full((2, 48), -np.inf), np.full((2, 48), 7.0)]).astype(np.float32)
+
+    def want(x, k):
+        x = np.where(np.isnan(x), -np.inf, x)
+        x = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0.0, x)
+        out = []
+        for row in x:
+            pick = np.lexsort((np.arange(len(row)), -row))[:min(k, len(row))]
+            out.append(np.sort(np.where(row[pick] > -np.inf, pick, 1 << 30)))   # unreachable picks last
+        out = np.array(out)
+        return np.where(out == 1 << 30, -1, out)
+
+    for k in (1, 5, 30, 48, 60):
+        got = np.asarray(jax.jit(lambda x: topk_positions(x, k, method=method))(jnp.asarray(rows.reshape(4, 9, 48))))
+        assert np.array_equal(got.reshape(rows.shape[0], -1), want(rows, k)), k
 
 
 def test_sink_attention_window_plus_compressed():
