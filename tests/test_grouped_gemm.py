@@ -293,6 +293,29 @@ def test_tiled_api_checks_the_plan_and_the_weights():
                           np.asarray(h.T.astype(jnp.bfloat16))[:, np.asarray(fp4_k_permutation(128))])
 
 
+@pytest.mark.parametrize("rows, groups", [(6, 4), (200, 3)])
+def test_untile_rows_puts_every_row_back(rows, groups):
+    """untile_rows on both of its forms: few rows per padded row (6 rows in 4 tiles of 16: the gather reads
+    y^T directly) and many (200 rows in 3 groups, ~1.2 padded rows each: y is transposed first); dropped
+    rows (group -1 or >= G) come back as zeros."""
+    from pallas_kernels.grouped_gemm.kernel import _TRANSPOSE_FIRST_PADDING, untile_rows
+
+    rng = np.random.default_rng(rows)
+    gid = rng.integers(-1, groups + 1, rows).astype(np.int32)
+    plan = make_tile_plan(jnp.asarray(gid), groups, 16, max_tiles(rows, groups, 16))
+    padded = plan.row_src.shape[0]
+    assert (padded <= _TRANSPOSE_FIRST_PADDING * rows) == (rows == 200)   # each form is taken once
+    y_np = rng.standard_normal((24, padded)).astype(np.float32)
+    got = np.asarray(jax.jit(untile_rows)(jnp.asarray(y_np), plan))
+    src = np.asarray(plan.row_src)
+    want = np.zeros((rows, 24), np.float32)
+    for p_row, m in enumerate(src):
+        if m < rows:
+            want[m] = y_np[:, p_row]
+    assert np.array_equal(got, want)
+    assert np.all(got[(gid < 0) | (gid >= groups)] == 0)
+
+
 # ---- the Mosaic GPU kernel: GPU interpreter on the CPU, and lowering for Hopper ----------------------
 
 def _interpret():
