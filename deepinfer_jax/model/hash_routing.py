@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model.linear import dot_f32
 
 
 def hash_route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, token_ids_m: jax.Array) -> tuple[jax.Array, jax.Array]:
     """-> (expert ids [M, k] int32, routing weights [M, k] fp32) for tokens x [M, D] with ids [M]."""
     from deepinfer_jax.model.moe import torch_softplus  # local: moe imports this module
 
-    logits = jnp.einsum("md,ed->me", x_md.astype(jnp.float32), p_gate["weight"].astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = dot_f32(x_md, p_gate["weight"])   # fp32 logits (bf16 operands: exact products)
     scores = jnp.sqrt(torch_softplus(logits))
     # padding rows carry token id -1: clamp to a valid row, their output is never read
     ids = p_gate["tid2eid"][jnp.clip(token_ids_m, 0, cfg.vocab_size - 1)].astype(jnp.int32)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
-from deepinfer_jax.model.linear import act_quant, dense, dequant_fp4, quant_linear
+from deepinfer_jax.model.linear import act_quant, dense, dequant_fp4, dot_f32, quant_linear
 from deepinfer_jax.model.numerics import Numerics, kernel_route
 from deepinfer_jax.model.selection import topk_desc
 
@@ -23,8 +23,7 @@ def torch_softplus(x: jax.Array) -> jax.Array:
 
 def route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """-> (expert ids [M, k] in descending biased score, routing weights [M, k] fp32)."""
-    logits = jnp.einsum("md,ed->me", x_md.astype(jnp.float32), p_gate["weight"].astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = dot_f32(x_md, p_gate["weight"])   # fp32 logits (bf16 operands: exact products)
     scores = jnp.sqrt(torch_softplus(logits))
     _, ids = topk_desc(scores + p_gate["bias"].astype(jnp.float32), top_k)
     w = jnp.take_along_axis(scores, ids, axis=-1)
