@@ -37,23 +37,20 @@ def topk_positions(scores: jax.Array, k: int, method: str = "auto") -> jax.Array
         return _topk_positions_sorted(scores, k)
     if method != "select":
         raise ValueError(f"topk_positions: unknown method {method!r} (want 'auto', 'select' or 'sort')")
-    *lead, s = scores.shape
-    k = min(k, s)
-    key = _order_key(scores.reshape(-1, s))
+    k = min(k, scores.shape[-1])
+    x = scores.astype(jnp.float32)
+    key = jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(jnp.where(x == 0, jnp.float32(0), x)))
     reachable = key > _NEG_INF_KEY
     need = jnp.int32(k)
+    rows = key.reshape(-1, key.shape[-1])
     # t = the least key with fewer than k keys above it: the k-th largest key of the row.
-    t = _least_key(lambda t: jnp.sum(key > t[:, None], axis=-1, dtype=jnp.int32) < need, key.shape[0])[:, None]
+    t = least_key(lambda t: jnp.sum(rows > t[:, None], axis=-1, dtype=jnp.int32) < need,
+                  rows.shape[0]).reshape(*key.shape[:-1], 1)
     above = key > t
     tie = key == t
     room = need - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
     keep = reachable & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
-    cols = jax.lax.broadcasted_iota(jnp.int32, key.shape, 1)
-    # the rest go past the end (dropped), each to its own slot, so every index is unique
-    slot = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1, k + cols)
-    rows = jnp.arange(key.shape[0], dtype=jnp.int32)[:, None]
-    out = jnp.full((key.shape[0], k), -1, jnp.int32).at[rows, slot].set(cols, mode="drop", unique_indices=True)
-    return out.reshape(*lead, k)
+    return true_columns(keep, k)
 
 
 def _topk_positions_sorted(scores: jax.Array, k: int) -> jax.Array:
@@ -65,26 +62,42 @@ def _topk_positions_sorted(scores: jax.Array, k: int) -> jax.Array:
     return jnp.where(keyed == big, -1, keyed).astype(jnp.int32)
 
 
-_NEG_INF_KEY = 0x007FFFFF   # _order_key(-inf); NaN maps below it
+_NEG_INF_KEY = 0x007FFFFF   # order_key(-inf); topk_positions maps NaN below it
 
 
-def _order_key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 whose unsigned order is the float order (-0.0 folded into +0.0, NaN lowest)."""
-    x = x.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
-    key = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
-    return jnp.where(jnp.isnan(x), jnp.uint32(0), key)
+def order_key(x_v: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x_v + 0.0, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _least_key(holds, n_rows: int) -> jax.Array:
-    """uint32[n_rows]: per row the least t with holds(t) (monotone false ... true, true at 2**32 - 1):
-    32 bisection steps, unrolled (a while loop's predicate would be a device-to-host wait on a GPU)."""
+def least_key(holds, n_rows: int, n_steps: jax.Array | None = None) -> jax.Array:
+    """uint32[B]: per row, the smallest t with holds(t) (holds: uint32[B] -> bool[B], monotone false ...
+    true and true at 2**32 - 1), by bisection: 32 steps, each one masked pass over the rows. n_steps is
+    32, or 0 to skip the search when no row needs it (the results are then unused); None runs the 32
+    steps unrolled, with no loop at all (the GPU form: there, each while iteration's predicate is a
+    device-to-host round trip that also stops the host from queueing the next step)."""
 
-    def step(_, state):
-        lo, hi = state
+    def step(state):
+        i, lo, hi = state
         mid = lo + (hi - lo) // 2
         ok = holds(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+        return i + 1, jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    start = (jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
-    return jax.lax.fori_loop(0, 32, step, start, unroll=True)[1]
+    start = (jnp.int32(0), jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
+    if n_steps is None:
+        return jax.lax.fori_loop(0, 32, lambda _, s: step(s), start, unroll=True)[2]
+    return jax.lax.while_loop(lambda s: s[0] < n_steps, step, start)[2]
+
+
+def true_columns(mask: jax.Array, width: int) -> jax.Array:
+    """mask [..., K] -> [..., width] int32: the True columns of each row in column order, then -1.
+    Columns past ``width`` True ones are dropped. Row-local, so batch-invariant."""
+    *lead, k = mask.shape
+    m = mask.reshape(-1, k)
+    cols = jax.lax.broadcasted_iota(jnp.int32, m.shape, 1)
+    # the rest go past the end (dropped), each to its own slot, so every index is unique
+    slot = jnp.where(m, jnp.cumsum(m, axis=-1, dtype=jnp.int32) - 1, width + cols)
+    rows = jnp.arange(m.shape[0], dtype=jnp.int32)[:, None]
+    out = jnp.full((m.shape[0], width), -1, jnp.int32).at[rows, slot].set(cols, mode="drop", unique_indices=True)
+    return out.reshape(*lead, width)

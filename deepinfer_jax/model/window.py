@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.selection import true_columns
+
 
 def window_keys(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array, pos_bt: jax.Array,
                 window: int) -> tuple[jax.Array, jax.Array]:
@@ -30,15 +32,10 @@ def window_index(mask_btk: jax.Array, width: int) -> jax.Array:
 
     Why: the mask's W+T columns would make every query of a T-token prefill chunk walk T/64 blocks of
     skipped rows in the attention kernel (and decode 3 blocks instead of 2). Row-local, so batch-invariant."""
-    b, t, k = mask_btk.shape
+    k = mask_btk.shape[-1]
     if width >= k:
         return jnp.where(mask_btk, jnp.arange(k, dtype=jnp.int32), -1)
-    rank = jnp.cumsum(mask_btk.astype(jnp.int32), axis=-1) - 1
-    dest = jnp.where(mask_btk, rank, width)                       # width = out of range: dropped
-    bi = jnp.arange(b)[:, None, None]
-    ti = jnp.arange(t)[None, :, None]
-    cols = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), mask_btk.shape)
-    return jnp.full((b, t, width), -1, jnp.int32).at[bi, ti, dest].set(cols, mode="drop", unique_indices=True)
+    return true_columns(mask_btk, width)
 
 
 def window_update(win_stored: dict, win_pos_bw: jax.Array, kv_stored: dict,
