@@ -400,7 +400,16 @@ def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block
 def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
     """Tile-order activations transposed [K, T*block_m] (a previous ``grouped_matmul_tiles``' y^T, after
     elementwise work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4."""
-    return _in_kernel_k_order(h_kp.T.astype(jnp.bfloat16), fp4)
+    h_kp = h_kp.astype(jnp.bfloat16)
+    if not fp4:
+        return h_kp.T
+    # The K permutation moves whole rows while h is [K, P] (each read coalesced); then one plain
+    # transpose. Left to itself XLA fused the column take into the transpose of the quantized h, a
+    # gather writing across its operand's layout: 0.61 ms per layer-chunk for 168 MB at a 2048-token
+    # chunk (the H200 prefill trace of 2026-12-04, session 12). The barrier sits on a flat array for the
+    # reason given at ``_unpermute``.
+    h_kp = jnp.take(h_kp, fp4_k_permutation(h_kp.shape[0]), axis=0)
+    return jax.lax.optimization_barrier(h_kp.reshape(-1)).reshape(h_kp.shape).T
 
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
