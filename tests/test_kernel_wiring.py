@@ -1,4 +1,4 @@
-"""The model's attention core and routed experts behind the kernel registry (``Numerics.kernels``).
+"""The model's attention core, routed experts and indexer top-k behind the kernel registry (``Numerics.kernels``).
 
 * on the CPU the default (``auto``) takes the model's own XLA code, bit for bit;
 * ``ops`` (the pallas_kernels ops' XLA fallbacks) and ``interpret`` (the Mosaic GPU kernels in the GPU
@@ -6,7 +6,9 @@
   MoE layer at shapes the kernels run (head_dim 128, expert dims 128);
 * a whole tiny-model forward through the ops path equals the model path in fp32 (this checks the
   window/compressed index plumbing of every layer role);
-* forcing a kernel where it cannot run raises instead of falling back.
+* forcing a kernel where it cannot run raises instead of falling back;
+* the indexer top-k is the registry's op: an implementation registered for the platform (the reference
+  here, as a CANN operator would be on ``npu``) serves the model and gives its logits bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deepinfer_jax.model import kv_codec
 from deepinfer_jax.model.attention import attention_core, sink_attention, sparse_inputs
 from deepinfer_jax.model.moe import moe, routed_experts, routed_experts_gather, route
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
+from pallas_kernels import registry
 from pallas_kernels.registry import KernelUnavailableError
 
 _FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -269,6 +272,30 @@ def test_tiny_model_forward_through_the_ops_path_equals_the_model_path_fp32(tiny
     got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, _mode("ops", exact))
     for i, pr in enumerate(prompts):
         np.testing.assert_allclose(got[i, :len(pr)], want[i, :len(pr)], atol=EXACT_ATOL, rtol=0)
+
+
+def test_registered_topk_serves_the_model_with_the_same_logits(tiny_params, tiny_cfg, tiny_token_map):
+    """The reference top-k, registered for this platform, is what the model's indexer runs unless
+    ``indexer=xla`` pins the XLA path; the two give the same selections, so the same logits. BF16 with
+    FP4 index keys: many tied scores."""
+    from pallas_kernels.topk import topk_indices_reference
+    from test_model_consistency import _prompts, run_chunks
+
+    calls = []
+    impl = registry.Impl("reference_here", lambda s, k: calls.append(k) or topk_indices_reference(s, k),
+                         platforms=frozenset({registry.platform_name(jax.devices()[0])}))
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    # Numerics no other test compiles, so each forward is traced here, under this registration.
+    pinned, auto = _mode("indexer=xla"), _mode("indexer=ops")
+    reg = registry.register_impl("topk_indices", impl)
+    try:
+        want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, pinned)
+        assert not calls
+        got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, auto)
+    finally:
+        reg.unregister()
+    assert calls
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.slow  # four compiles of the tiny model: 33 s alone, 164 s in CI's parallel run

@@ -1,21 +1,27 @@
-"""topk_indices: reference vs a numpy lexsort oracle, lax.top_k path == reference bit for bit on
-tie-heavy rows, -inf / NaN / signed-zero handling, k > S, and batch invariance."""
+"""topk_indices: the reference and every method of the XLA path (bisection, stable sort, lax.top_k) vs a
+numpy lexsort oracle on tie-heavy and adversarial rows, -inf / NaN / signed-zero / subnormal handling,
+k > S, "auto"'s choice by size, and batch invariance."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.topk import topk_indices, topk_indices_reference, topk_indices_xla
+from pallas_kernels.topk import topk_indices, topk_indices_reference, topk_indices_xla, xla as topk_xla
+
+METHODS = ("auto", "select", "sort", "top_k")
 
 
 def _oracle(scores, k):
     """numpy: order by (score desc, index asc), keep k, -inf -> -1 last, the rest ascending."""
     s = np.asarray(scores, np.float64).copy()
     s[np.isnan(s)] = -np.inf
-    s[s == 0] = 0.0                     # -0.0 ties with +0.0
+    s[np.abs(s) < np.finfo(np.float32).tiny] = 0.0     # -0.0 and subnormals (flushed) tie with +0.0
     lead = s.shape[:-1]
     flat = s.reshape(-1, s.shape[-1])
     out = np.full((flat.shape[0], k), -1, np.int32)
@@ -43,8 +49,52 @@ def test_reference_and_xla_match_oracle(n, k):
     ref = topk_indices_reference(jnp.asarray(s), k)
     assert ref.dtype == jnp.int32 and ref.shape == (2, 3, k)
     np.testing.assert_array_equal(np.asarray(ref), want)
-    np.testing.assert_array_equal(np.asarray(topk_indices_xla(jnp.asarray(s), k)), want)
-    np.testing.assert_array_equal(np.asarray(topk_indices_xla(jnp.asarray(s), k, method="sort")), want)
+    for method in METHODS:
+        np.testing.assert_array_equal(np.asarray(topk_indices_xla(jnp.asarray(s), k, method=method)), want,
+                                      err_msg=method)
+
+
+@pytest.mark.parametrize("method", METHODS[1:] + ("reference",))
+def test_every_method_matches_a_lexsort_on_adversarial_rows(method):
+    """Heavy ties, +-0, subnormals (XLA flushes them: they tie with zero), +-inf, NaN (unreachable),
+    fewer reachable entries than k, and k above the row length; jitted, as the model runs it."""
+    r = np.random.default_rng(11)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 1e-40, -1e-40, 3.4e38], np.float32)
+    rows = np.concatenate([r.standard_normal((8, 48)), r.integers(-2, 3, (8, 48)), r.choice(specials, (16, 48)),
+                           np.full((2, 48), -np.inf), np.full((2, 48), 7.0)]).astype(np.float32)
+    fn = topk_indices_reference if method == "reference" else functools.partial(topk_indices_xla, method=method)
+    for k in (1, 5, 30, 48, 60):
+        got = jax.jit(lambda x: fn(x, k))(jnp.asarray(rows.reshape(4, 9, 48)))
+        np.testing.assert_array_equal(np.asarray(got).reshape(rows.shape[0], k), _oracle(rows, k), err_msg=str(k))
+
+
+@pytest.mark.parametrize("bits_per_pass", [1, 2, 4])
+def test_bisection_finds_the_same_picks_at_every_pass_width(bits_per_pass):
+    """select_topk narrows each row's k-th largest key bits_per_pass bits a pass (one variadic count of
+    2**bits - 1 thresholds); every width must give the oracle's picks. Values spread over the whole float
+    range (and near-equal neighbours that differ only in their low bits), so every pass decides."""
+    from pallas_kernels.topk.select import select_topk
+
+    r = np.random.default_rng(bits_per_pass)
+    wide = (r.standard_normal((6, 64)) * 10.0 ** r.integers(-30, 30, (6, 64))).astype(np.float32)
+    near = np.array([np.float32(1.5) + np.float32(2.0 ** -23) * (i % 5) for i in range(64)], np.float32)[None]
+    rows = np.concatenate([wide, np.repeat(near, 2, 0), _tie_heavy(r, (4, 64))])
+    for k in (1, 7, 32, 64):
+        got = jax.jit(lambda x: select_topk(x, k, bits_per_pass=bits_per_pass))(jnp.asarray(rows))
+        np.testing.assert_array_equal(np.asarray(got), _oracle(rows, k), err_msg=str(k))
+    with pytest.raises(ValueError, match="must divide 32"):
+        select_topk(jnp.asarray(rows), 3, bits_per_pass=3)
+
+
+def test_auto_selects_by_bisection_from_select_min_scores(monkeypatch):
+    s = jnp.zeros((1, 4, 64))
+
+    def sorts():
+        return " sort[" in str(jax.make_jaxpr(lambda x: topk_indices_xla(x, 8))(s))
+
+    assert sorts()
+    monkeypatch.setattr(topk_xla, "SELECT_MIN_SCORES", s.size)
+    assert not sorts()
 
 
 def test_lower_index_wins_ties_and_result_is_ascending():
@@ -63,8 +113,7 @@ def test_all_unreachable_row_gives_all_minus_one():
 def test_wide_range_and_tiny_scores():
     rng = np.random.default_rng(7)
     r = rng.standard_normal((4, 500)).astype(np.float32)
-    # Magnitudes from ~1e-30 to ~1e30. (Subnormal scores are not tested: XLA flushes them to zero,
-    # after which they tie with 0 and go to the lower index -- documented in pallas_kernels.topk.)
+    # Magnitudes from ~1e-30 to ~1e30 (subnormals: the adversarial rows above).
     for s in (r * np.exp(rng.standard_normal(r.shape) * 15).astype(np.float32), r * np.float32(1e-30)):
         np.testing.assert_array_equal(np.asarray(topk_indices(jnp.asarray(s), 64)), _oracle(s, 64))
 

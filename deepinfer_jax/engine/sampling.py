@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.model.selection import least_key as _least_key, order_key as _order_key
+from pallas_kernels.topk.select import least_key as _least_key, order_key as _order_key
 
 MAX_LOGPROBS = 20  # top-n logprobs computed every step (a static shape); requests ask for n <= this
 _U64 = 1 << 64

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import LayerPlan, ModelConfig
-from deepinfer_jax.model import compressor_v4, hadamard, kv_codec
+from deepinfer_jax.model import compressor_v4, hadamard, indexer, kv_codec
 from deepinfer_jax.model.linear import plain_linear, quant_linear
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2
 from deepinfer_jax.model.rope import apply_rope
-from deepinfer_jax.model.selection import topk_positions
 from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
 
 
@@ -70,5 +69,5 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
     dots = jnp.einsum("bthd,bsd->bths", iq.astype(jnp.float32), index_k, precision=jax.lax.Precision.HIGHEST)
     scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(n_entries)[None, None, :] < visible_n[..., None]
-    idx = topk_positions(jnp.where(visible, scores, -jnp.inf), cfg.index_topk)
+    idx = indexer.select(jnp.where(visible, scores, -jnp.inf), cfg.index_topk, numerics)
     return src["kv"], idx, {**source_caches, key: src}

@@ -9,11 +9,12 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.linear import plain_linear, quant_linear
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2, kernel_route
 from deepinfer_jax.model.rope import apply_rope
-from deepinfer_jax.model.selection import topk_desc, topk_positions
 from pallas_kernels.indexer import (IndexScoresConfig, index_scores as index_scores_op, index_scores_xla,
                                     kernel_unsupported_reason)
 from pallas_kernels.indexer.config import QUERY_ROWS
-from pallas_kernels.registry import AUTO
+from pallas_kernels.registry import AUTO, XLA
+from pallas_kernels.topk import topk_indices
+from pallas_kernels.topk.xla import topk_desc
 
 
 def index_keys(p: dict, latent_btd: jax.Array, key_pos_bt: jax.Array, inv_freq, *, eps: float,
@@ -77,5 +78,10 @@ def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: 
     return jnp.repeat(keep, block, axis=-1)[..., :s]
 
 
-def select(scores_bts: jax.Array, k: int) -> jax.Array:
-    return topk_positions(scores_bts, k)
+def select(scores_bts: jax.Array, k: int, numerics: Numerics) -> jax.Array:
+    """idx [B, T, min(k, S)]: each row's top-k entries in ascending order, -1 = none
+    (``pallas_kernels.topk.topk_indices``)."""
+    # No Pallas top-k: only "xla" has a path to force; otherwise the registry picks (numerics.py).
+    impl = XLA if numerics.kernel_mode("indexer") == "xla" else None
+    # min: a row shorter than k keeps S columns (the op would pad to k with -1s the attention would read).
+    return topk_indices(scores_bts, min(k, scores_bts.shape[-1]), impl=impl, selection=AUTO)

@@ -13,7 +13,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
 from deepinfer_jax.model.linear import act_quant, dense, dequant_fp4, dot_f32, quant_linear
 from deepinfer_jax.model.numerics import Numerics, kernel_route
-from deepinfer_jax.model.selection import topk_desc
+from pallas_kernels.topk.xla import topk_desc
 
 
 def torch_softplus(x: jax.Array) -> jax.Array:

@@ -21,6 +21,10 @@ kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
 * ``"interpret"``: the Pallas kernels in the Mosaic GPU interpreter (CPU tests only; slow);
 * per op: ``"attention=pallas,experts=xla"`` (ops ``attention``, ``experts`` and ``indexer``, the
   indexer's scores at prefill; unnamed ops: auto).
+
+The indexer's top-k has no Pallas kernel: it is always the ``pallas_kernels.topk`` op, on the XLA path
+under ``"xla"`` and on the registry's automatic choice otherwise (the XLA path on CPU and GPU, a kernel
+registered for the platform such as a CANN operator on ``npu``).
 """
 
 from __future__ import annotations

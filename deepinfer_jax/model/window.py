@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.selection import true_columns
+from pallas_kernels.topk.select import true_columns
 
 
 def window_keys(win_kv_bwd: jax.Array, win_pos_bw: jax.Array, kv_btd: jax.Array, pos_bt: jax.Array,

@@ -9,7 +9,8 @@
 * subnormal scores count as zero (XLA flushes them on CPU and GPU).
 
 The result is an exact function of the row, so any correct implementation is batch-invariant.
-No GPU kernel: ``lax.top_k`` keeps the tie rule on the GPU (checked by ``benchmarks/attention_gpu.py``).
+No GPU kernel: the XLA path (``xla.py``) selects by bisection on integer keys for large calls and by a
+stable sort for small ones (``method="auto"``); ``lax.top_k`` is its method ``"top_k"``.
 """
 
 from __future__ import annotations

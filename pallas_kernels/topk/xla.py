@@ -1,27 +1,55 @@
-"""XLA top-k for the indexer: ``lax.top_k`` (documented: equal values come out lower index first).
+"""XLA top-k for the indexer: three exact methods with the same result, chosen by size.
 
-``lax.top_k`` is an exact selection, so its result is a function of the row alone whenever its tie
-rule holds; ``benchmarks/attention_gpu.py`` checks that rule on the GPU against the explicit-sort
-version (``method="sort"``), which is the fallback should a backend break it.
+* "select" (``select.py``): bisection on order-preserving integer keys; 16 counting passes and two
+  prefix sums over the row, no sort.
+* "sort": a stable sort of the whole row on descending score. The H200 prefill trace of 2026-12-04 had
+  XLA's segmented radix sort of [2048, 8192] rows at ~3.5 ms per indexer layer and 2048-token chunk.
+* "top_k": ``lax.top_k`` (documented: equal values come out lower index first). On the GPU it lowers to
+  a full sort at k=512 as well (``benchmarks/NOTES.md``); ``benchmarks/attention_gpu.py`` checks its tie
+  rule there.
+* "auto" (default): "select" from ``SELECT_MIN_SCORES`` scores per call, else "sort".
+
+Each method is an exact function of the row, so choosing one by shape keeps results batch-invariant.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.topk.reference import (ascending_with_unreachable_last, canonical_scores, pad_to_k,
-                                           topk_indices_reference)
+from pallas_kernels.topk.reference import ascending_with_unreachable_last, canonical_scores, pad_to_k
+from pallas_kernels.topk.select import select_topk
+
+# "auto" selects by bisection from this many scores per call (a 2048-token prefill chunk over 2048+
+# index keys), and sorts below it: at decode (64-256 rows) a sort is one small launch, the bisection 32.
+SELECT_MIN_SCORES = 1 << 22
 
 
-def topk_indices_xla(scores_bts: jax.Array, k: int, *, method: str = "top_k") -> jax.Array:
+def topk_desc(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, indices) of the k largest along the last axis, lower index first among equals."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(scores, order, axis=-1), order.astype(jnp.int32)
+
+
+def _sort_topk(scores: jax.Array, k: int) -> jax.Array:
+    return ascending_with_unreachable_last(*topk_desc(scores, k))
+
+
+def _lax_topk(scores: jax.Array, k: int) -> jax.Array:
+    return ascending_with_unreachable_last(*lax.top_k(canonical_scores(scores), k))
+
+
+_METHODS = {"select": select_topk, "sort": _sort_topk, "top_k": _lax_topk}
+
+
+def topk_indices_xla(scores_bts: jax.Array, k: int, *, method: str = "auto") -> jax.Array:
     """-> idx_btk int32. Same contract as ``pallas_kernels.topk.topk_indices``.
 
-    method: "top_k" (``lax.top_k``) or "sort" (a full two-key sort; slower, tie rule by construction)."""
-    if method == "sort":
-        return topk_indices_reference(scores_bts, k)
-    if method != "top_k":
-        raise ValueError(f"topk_indices_xla: unknown method {method!r} (want 'top_k' or 'sort')")
-    s = canonical_scores(scores_bts)
-    vals, idx = lax.top_k(s, min(k, s.shape[-1]))
-    return pad_to_k(ascending_with_unreachable_last(vals, idx), k)
+    method: "auto", "select", "sort" or "top_k" (module docstring)."""
+    if method == "auto":
+        method = "select" if scores_bts.size >= SELECT_MIN_SCORES else "sort"
+    if method not in _METHODS:
+        raise ValueError(f"topk_indices_xla: unknown method {method!r} "
+                         f"(want 'auto', {', '.join(map(repr, _METHODS))})")
+    return pad_to_k(_METHODS[method](scores_bts, min(k, scores_bts.shape[-1])), k)

@@ -1,0 +1,93 @@
+"""Exact top-k by bisection on order-preserving integer keys (``topk_indices_xla(method="select")``).
+
+A row's k-th largest value is found by counting passes over uint32 keys whose unsigned order is the
+float order, ``BITS_PER_PASS`` bits of it a pass; what is above it, plus the lowest-index ties, is
+already in index order. No sort. The key
+helpers are shared with the sampler's top-k/top-p thresholds and the window's mask compaction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF_KEY = 0x007FFFFF   # order_key(-inf); select_topk maps NaN below it
+
+# 16 passes of 3 counts instead of 32 of one: on the H200 (``benchmarks/topk_gpu.py``, 2026-12-04,
+# session 12; [2048, S] rows, k = 512, the whole top-k) at S = 16392: 2.11 ms one bit a pass, 1.59 ms
+# two, 1.96 ms four, 2.98 ms for the stable sort; at S = 4104 and 8200 two bits was the fastest too.
+BITS_PER_PASS = 2
+
+
+def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
+    """[..., S] -> [..., k] int32 (k <= S): the k best reachable entries in index order, then -1.
+    Same picks as ``pallas_kernels.topk.topk_indices``; 32 / bits_per_pass counting passes and two
+    prefix sums a row."""
+    x = scores.astype(jnp.float32)
+    key = jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(jnp.where(x == 0, jnp.float32(0), x)))
+    reachable = key > _NEG_INF_KEY
+    need = jnp.int32(k)
+    rows = key.reshape(-1, key.shape[-1])
+    t = kth_largest_key(rows, need, bits_per_pass).reshape(*key.shape[:-1], 1)
+    above = key > t
+    tie = key == t
+    room = need - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    keep = reachable & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
+    return true_columns(keep, k)
+
+
+def order_key(x_v: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x_v + 0.0, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def least_key(holds, n_rows: int, n_steps: jax.Array | None = None) -> jax.Array:
+    """uint32[B]: per row, the smallest t with holds(t) (holds: uint32[B] -> bool[B], monotone false ...
+    true and true at 2**32 - 1), by bisection: 32 steps, each one masked pass over the rows. n_steps is
+    32, or 0 to skip the search when no row needs it (the results are then unused); None runs the 32
+    steps unrolled, with no loop at all (the GPU form: there, each while iteration's predicate is a
+    device-to-host round trip that also stops the host from queueing the next step)."""
+
+    def step(state):
+        i, lo, hi = state
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return i + 1, jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    start = (jnp.int32(0), jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
+    if n_steps is None:
+        return jax.lax.fori_loop(0, 32, lambda _, s: step(s), start, unroll=True)[2]
+    return jax.lax.while_loop(lambda s: s[0] < n_steps, step, start)[2]
+
+
+def kth_largest_key(key_rs: jax.Array, k: jax.Array, bits_per_pass: int) -> jax.Array:
+    """key_rs uint32 [R, S], k >= 1 -> uint32 [R]: per row, the least t with fewer than k keys above it
+    (the k-th largest key when k <= S). Each pass narrows t's range 2**bits_per_pass-fold: one variadic
+    reduce counts the keys above every sub-range's top, so the row is read once a pass. The counts are
+    integers, so any pass width finds the same t."""
+    if 32 % bits_per_pass:
+        raise ValueError(f"bits_per_pass={bits_per_pass} must divide 32")
+    n = (1 << bits_per_pass) - 1
+    lo = jnp.zeros(key_rs.shape[0], jnp.uint32)   # t lies in [lo, lo + 2**(shift + bits_per_pass) - 1]
+    for shift in range(32 - bits_per_pass, -1, -bits_per_pass):
+        tops = [lo + jnp.uint32(((j + 1) << shift) - 1) for j in range(n)]
+        counts = jax.lax.reduce(tuple((key_rs > top[:, None]).astype(jnp.int32) for top in tops),
+                                (jnp.int32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+        # the sub-ranges whose top still has k or more keys above it lie below t
+        below = sum((c >= k).astype(jnp.uint32) for c in counts)
+        lo = lo + (below << shift)
+    return lo
+
+
+def true_columns(mask: jax.Array, width: int) -> jax.Array:
+    """mask [..., K] -> [..., width] int32: the True columns of each row in column order, then -1.
+    Columns past ``width`` True ones are dropped. Row-local, so batch-invariant."""
+    *lead, k = mask.shape
+    m = mask.reshape(-1, k)
+    cols = jax.lax.broadcasted_iota(jnp.int32, m.shape, 1)
+    # the rest go past the end (dropped), each to its own slot, so every index is unique
+    slot = jnp.where(m, jnp.cumsum(m, axis=-1, dtype=jnp.int32) - 1, width + cols)
+    rows = jnp.arange(m.shape[0], dtype=jnp.int32)[:, None]
+    out = jnp.full((m.shape[0], width), -1, jnp.int32).at[rows, slot].set(cols, mode="drop", unique_indices=True)
+    return out.reshape(*lead, width)
