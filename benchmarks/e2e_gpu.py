@@ -75,6 +75,30 @@ def log(*a):
     print(*a, flush=True)
 
 
+class compile_log:
+    """Within ``with compile_log() as events``: jax's compile stages (trace, lowering to MLIR, which
+    includes building the Mosaic GPU kernels, and XLA's backend compile with its autotuning) of at least
+    ``min_s`` seconds, each logged as it ends. So a call cut off by its time limit in a compile still shows
+    which stages finished (chunk 4096's prefill did not compile in 230 s on 2026-12-04)."""
+
+    def __init__(self, min_s: float = 1.0):
+        self.min_s, self.events = min_s, []
+
+    def _on(self, event: str, secs: float, **kw):
+        if secs >= self.min_s and event.startswith("/jax/core/compile/"):
+            stage = event.rsplit("/", 1)[-1].removesuffix("_duration")
+            self.events.append(dict(stage=stage, fun=str(kw.get("fun_name", "")), seconds=secs))
+            log(f"  compile: {stage} {secs:.1f} s ({kw.get('fun_name', '')})")
+
+    def __enter__(self) -> list:
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self.events
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._on)
+        return False
+
+
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -197,7 +221,8 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
 
             if compile_s is None:
                 t = time.time()
-                jax.block_until_ready(step())
+                with compile_log() as compile_events:
+                    jax.block_until_ready(step())
                 compile_s = time.time() - t
             jax.block_until_ready(step())
             t = time.perf_counter()
@@ -207,7 +232,7 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
             ms = (time.perf_counter() - t) * 1e3 / steps
             need = decode_bytes(m.cfg, m.stored, b, ctx, numerics.kv_quant)
             rec = dict(batch=b, context=ctx, ms_per_step=ms, tokens_per_s=b / (ms * 1e-3), compile_s=compile_s,
-                       bytes=need, peak_bytes=peak_bytes())
+                       compile_events=compile_events, bytes=need, peak_bytes=peak_bytes())
             if copy:
                 rec["hbm_fraction"] = need["total"] / (ms * 1e-3) / copy
             rows.append(rec)
@@ -438,7 +463,9 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
     for br in replay:
         sch = scheduler(m, numerics, 1, max_len, chunk, bounded_replay=br)
         t = time.time()  # warm-up: compiles the prefill programs (and the upper one) at this engine shape
-        sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
+        with compile_log() as compile_events:
+            sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)],
+                             SamplingParams(max_tokens=1))])
         compile_s = time.time() - t
         for n in prompts:
             req = Request(f"p{n}", [int(x) for x in rng.integers(3, 120000, n)], SamplingParams(max_tokens=1))
@@ -453,7 +480,7 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
             flops += attention_core_flops(m.cfg, n, replay_from)
             rec = dict(prompt=n, chunk=chunk, bounded_replay=br, seconds=s, tokens_per_s=n / s, flops=flops,
                        tflops=flops / s / 1e12, steps_skipping_upper=sch.skipped_upper - skipped0,
-                       compile_s=compile_s, peak_bytes=peak_bytes())
+                       compile_s=compile_s, compile_events=compile_events, peak_bytes=peak_bytes())
             if dense:
                 rec["dense_fraction"] = flops / s / dense
             rows.append(rec)
