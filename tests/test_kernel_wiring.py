@@ -274,6 +274,7 @@ def test_tiny_model_forward_through_the_ops_path_equals_the_model_path_fp32(tiny
         np.testing.assert_allclose(got[i, :len(pr)], want[i, :len(pr)], atol=EXACT_ATOL, rtol=0)
 
 
+@pytest.mark.slow  # two compiles of the tiny model: 65 s in CI's parallel run
 def test_registered_topk_serves_the_model_with_the_same_logits(tiny_params, tiny_cfg, tiny_token_map):
     """The reference top-k, registered for this platform, is what the model's indexer runs unless
     ``indexer=xla`` pins the XLA path; the two give the same selections, so the same logits. BF16 with
