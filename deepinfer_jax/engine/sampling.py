@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk.select import least_key as _least_key, order_key as _order_key
+from pallas_kernels.topk.select import order_key as _order_key
 
 MAX_LOGPROBS = 20  # top-n logprobs computed every step (a static shape); requests ask for n <= this
 _U64 = 1 << 64
@@ -177,6 +177,25 @@ def _unrolled_search() -> bool:
     Measured there (H200 12-layer slice, B=64, a step in the profiler): 64 of the step's 66 device-to-host
     copies were these loops' predicates."""
     return jax.default_backend() == "gpu"
+
+
+def _least_key(holds, n_rows: int, n_steps: jax.Array | None) -> jax.Array:
+    """uint32[B]: per row, the smallest t with holds(t) (holds: uint32[B] -> bool[B], monotone false ...
+    true and true at 2**32 - 1), by bisection: 32 steps, each one masked pass over the rows. n_steps is
+    32, or 0 to skip the search when no row needs it (the results are then unused); None runs the 32
+    steps unrolled, with no loop at all (the GPU form: there, each while iteration's predicate is a
+    device-to-host round trip that also stops the host from queueing the next step)."""
+
+    def step(state):
+        i, lo, hi = state
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return i + 1, jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    start = (jnp.int32(0), jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
+    if n_steps is None:
+        return jax.lax.fori_loop(0, 32, lambda _, s: step(s), start, unroll=True)[2]
+    return jax.lax.while_loop(lambda s: s[0] < n_steps, step, start)[2]
 
 
 def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):

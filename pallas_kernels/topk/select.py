@@ -2,8 +2,8 @@
 
 A row's k-th largest value is found by counting passes over uint32 keys whose unsigned order is the
 float order, ``BITS_PER_PASS`` bits of it a pass; what is above it, plus the lowest-index ties, is
-already in index order. No sort. The key
-helpers are shared with the sampler's top-k/top-p thresholds and the window's mask compaction.
+already in index order. No sort. ``order_key`` is shared with the sampler's top-k/top-p thresholds and
+``true_columns`` with the window's mask compaction.
 """
 
 from __future__ import annotations
@@ -40,25 +40,6 @@ def order_key(x_v: jax.Array) -> jax.Array:
     """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0)."""
     bits = jax.lax.bitcast_convert_type(x_v + 0.0, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def least_key(holds, n_rows: int, n_steps: jax.Array | None = None) -> jax.Array:
-    """uint32[B]: per row, the smallest t with holds(t) (holds: uint32[B] -> bool[B], monotone false ...
-    true and true at 2**32 - 1), by bisection: 32 steps, each one masked pass over the rows. n_steps is
-    32, or 0 to skip the search when no row needs it (the results are then unused); None runs the 32
-    steps unrolled, with no loop at all (the GPU form: there, each while iteration's predicate is a
-    device-to-host round trip that also stops the host from queueing the next step)."""
-
-    def step(state):
-        i, lo, hi = state
-        mid = lo + (hi - lo) // 2
-        ok = holds(mid)
-        return i + 1, jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-    start = (jnp.int32(0), jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
-    if n_steps is None:
-        return jax.lax.fori_loop(0, 32, lambda _, s: step(s), start, unroll=True)[2]
-    return jax.lax.while_loop(lambda s: s[0] < n_steps, step, start)[2]
 
 
 def kth_largest_key(key_rs: jax.Array, k: jax.Array, bits_per_pass: int) -> jax.Array:
