@@ -10,12 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.mhc import stream_dot
+
 
 def hc_head_pre(x_bthd: jax.Array, fn_hk: jax.Array, base_h: jax.Array, scale_1: jax.Array, *, norm_eps: float,
                 hc_eps: float) -> jax.Array:
     """-> pre [B, T, hc] fp32 from the stream x [B, T, hc, D]; fn [hc, hc*D], base [hc], scale [1]."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
-    m = jnp.einsum("btk,mk->btm", f, fn_hk.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn_hk)
     m = m * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + norm_eps)
     return jax.nn.sigmoid(m * scale_1.astype(jnp.float32)[0] + base_h.astype(jnp.float32)) + hc_eps
