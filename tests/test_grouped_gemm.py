@@ -184,6 +184,13 @@ def test_plan_places_every_row_once_in_a_tile_of_its_group(m, g, bm):
             assert tile_group[dest[r] // bm] == gid[r]          # the row sits in a tile of its own group
         placed = row_src[row_src < m]
         assert sorted(placed) == sorted(np.flatnonzero(valid))  # each valid row exactly once
+        # the compaction order (untile_rows): valid rows first, by padded row, each at its own index
+        sorted_pos, sorted_m = np.asarray(plan.sorted_pos), np.asarray(plan.sorted_m)
+        n_valid = int(valid.sum())
+        assert sorted(sorted_m) == list(range(m))
+        assert np.array_equal(sorted_pos[:n_valid], np.sort(dest[valid]))
+        assert np.all(sorted_m[valid] < n_valid)
+        assert np.array_equal(sorted_pos[sorted_m[valid]], dest[valid])
         used = tile_group >= 0
         assert not np.any(used[np.argmin(used):]) or used.all()  # used tiles come first
         # A tile's rows are contiguous in the caller's order within the group (stable sort).

@@ -397,6 +397,13 @@ def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block
     return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4)
 
 
+def _materialized(a: jax.Array) -> jax.Array:
+    """a, held in its row-major order. A barrier on a 2-D array is not enough: layout assignment may
+    give it a transposed layout (no data moved) and fuse the transpose into the consumer's gather again
+    (seen in XLA:CPU's HLO). A flat array has one layout."""
+    return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
+
+
 def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
     """Tile-order activations transposed [K, T*block_m] (a previous ``grouped_matmul_tiles``' y^T, after
     elementwise work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4."""
@@ -406,10 +413,8 @@ def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
     # The K permutation moves whole rows while h is [K, P] (each read coalesced); then one plain
     # transpose. Left to itself XLA fused the column take into the transpose of the quantized h, a
     # gather writing across its operand's layout: 0.61 ms per layer-chunk for 168 MB at a 2048-token
-    # chunk (the H200 prefill trace of 2026-12-04, session 12). The barrier sits on a flat array for the
-    # reason given at ``_unpermute``.
-    h_kp = jnp.take(h_kp, fp4_k_permutation(h_kp.shape[0]), axis=0)
-    return jax.lax.optimization_barrier(h_kp.reshape(-1)).reshape(h_kp.shape).T
+    # chunk (the H200 prefill trace of 2026-12-04, session 12).
+    return _materialized(jnp.take(h_kp, fp4_k_permutation(h_kp.shape[0]), axis=0)).T
 
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
@@ -439,25 +444,26 @@ def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4):
     return plan, gather_rows(_in_kernel_k_order(x_mk, fp4), plan)
 
 
-# Un-permute through a materialized y [P, N] when the routed rows are at least 1/4 of the padded
-# ones. Fused into the gather, the transpose reads each output value from its own 32-byte sector
-# (~8 bytes moved per byte used); a separate transpose moves every padded row twice, coalesced, and
-# the gather then reads whole rows. At a 2048-token prefill chunk (12,288 rows, 64-row tiles, P =
-# 36,480) that is ~1.5 GB against ~2 GB plus uncoalesced latency: the H200 trace of 2026-12-04 put the
-# fused un-permute and combine at ~1.3 ms per layer-chunk. At decode (384 rows, P = 6,144) the fused
-# gather stays: a transpose would move 16x the routed rows.
+# Un-permute through materialized copies when the routed rows are at least 1/4 of the padded ones.
+# Fused into the gather, the transpose reads each output value from its own 32-byte sector (~8 bytes
+# moved per byte used). Instead: the routed columns of y^T are compacted in group order first (a
+# tile's rows are contiguous columns, so the reads are runs of ~block_m values), that [N, M] array is
+# transposed, and the gather then reads whole rows. At a 2048-token prefill chunk (12,288 rows, 64-row
+# tiles, P = 36,480) the transpose moves 1/3 of what transposing all of y^T did: the H200 trace of
+# 2026-12-04 (session 12) timed that whole transpose at 0.40 ms a layer-chunk (1.5 GB at copy speed).
+# At decode (384 rows, P = 6,144) the fused gather stays: the column runs are ~1-2 values long there.
 _TRANSPOSE_FIRST_PADDING = 4
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _unpermute(y_np, plan, *, out_dtype):
-    y_pn = y_np.T
-    if y_np.shape[1] <= _TRANSPOSE_FIRST_PADDING * plan.dest_m.shape[0]:
-        # A barrier on the transposed array alone is not enough: layout assignment gives it the layout
-        # {0,1} (no data moved) and the transpose lands in the gather again (seen in XLA:CPU's HLO). A
-        # flat array has one layout, so the barrier holds y in row order.
-        y_pn = jax.lax.optimization_barrier(y_pn.reshape(-1)).reshape(y_pn.shape)
-    return scatter_back(y_pn, plan, out_dtype)
+    m = plan.dest_m.shape[0]
+    if y_np.shape[1] > _TRANSPOSE_FIRST_PADDING * m:
+        return scatter_back(y_np.T, plan, out_dtype)
+    y_nm = _materialized(jnp.take(y_np, plan.sorted_pos, axis=1, mode="clip"))  # group order
+    y_mn = _materialized(y_nm.T)
+    y = jnp.take(y_mn, plan.sorted_m, axis=0, mode="clip")
+    return jnp.where(plan.valid_m[:, None], y, jnp.zeros((), y.dtype)).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))

@@ -33,12 +33,16 @@ class TilePlan:
     """row_src [T*bm] int32: the token row held by each padded row (M = padding, reads as zeros).
     tile_group [T] int32: the group of each tile, -1 for unused tiles.
     dest_m [M] int32: the padded row of each token row (0 for rows with an out-of-range group).
-    valid_m [M] bool: the row's group id is in [0, G)."""
+    valid_m [M] bool: the row's group id is in [0, G).
+    sorted_pos [M] int32: the padded row of the i-th row in group order (the valid rows, then 0s).
+    sorted_m [M] int32: each token row's index i in that order (``compact_columns``' output order)."""
 
     row_src: jax.Array
     tile_group: jax.Array
     dest_m: jax.Array
     valid_m: jax.Array
+    sorted_pos: jax.Array
+    sorted_m: jax.Array
 
 
 def bucketed_tiles(m: int, num_groups: int, block_m: int) -> int:
@@ -73,13 +77,16 @@ def make_tile_plan(group_ids_m: jax.Array, num_groups: int, block_m: int, num_ti
     sorted_valid = sorted_key < num_groups
     pos = jnp.where(sorted_valid, pos, t * block_m)               # out of range: dropped below
     row_src = jnp.full((t * block_m,), m, jnp.int32).at[pos].set(order, mode="drop")
-    dest = jnp.zeros((m,), jnp.int32).at[order].set(jnp.where(sorted_valid, pos, 0))
+    sorted_pos = jnp.where(sorted_valid, pos, 0)
+    dest = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos)
+    sorted_m = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
     tile_ids = jnp.arange(t, dtype=jnp.int32)
     # compare_all: no loop. The default "scan" is a while loop of log2(G) launches per plan (108 tiny
     # kernels per 12-layer decode step on the H200 profile); T x G compares cost less.
     tile_group = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all").astype(jnp.int32)
     tile_group = jnp.where(tile_ids < tile_end[-1], tile_group, -1)
-    return TilePlan(row_src=row_src, tile_group=tile_group, dest_m=dest, valid_m=valid)
+    return TilePlan(row_src=row_src, tile_group=tile_group, dest_m=dest, valid_m=valid, sorted_pos=sorted_pos,
+                    sorted_m=sorted_m)
 
 
 def gather_rows(x_mk: jax.Array, plan: TilePlan) -> jax.Array:
