@@ -68,7 +68,8 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, max_slots=args.max_slots, max_len=args.max_len, chunk_size=args.chunk_size,
                   numerics=args.numerics, bounded_replay=not args.no_bounded_replay, engine_seed=args.engine_seed,
-                  progress=not args.quiet, mesh=args.mesh, device_memory=args.device_memory)
+                  progress=not args.quiet, mesh=args.mesh, device_memory=args.device_memory,
+                  compile_cache=args.compile_cache)
     except (OSError, ValueError, MemoryError) as e:
         print(f"deepinfer-jax: cannot start the engine: {e}", file=sys.stderr)
         return 2
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-memory", default=None,
                    help="usable bytes per device for the memory check, e.g. 139GiB (default: what the device "
                         "reports)")
+    g.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep compiled programs in DIR (jax's persistent compilation cache): later runs with the "
+                        "same model and shapes skip compiling, and on a GPU reuse the first run's autotuned "
+                        "kernel choices for XLA's GEMMs (default: no cache)")
     g.add_argument("--no-resume", dest="resume", action="store_false",
                    help="overwrite the output instead of skipping the ids it already finished")
     g.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from deepinfer_jax.compile_cache import enable_compile_cache
 from deepinfer_jax.checkpoint.loader import load_params
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine.encoding import encode_messages
@@ -105,12 +106,19 @@ class LLM:
     def __init__(self, model: str | Path, *, max_slots: int = 8, max_len: int = 256, chunk_size: int = 16,
                  numerics: str | Numerics = "reference", bounded_replay: bool = True, engine_seed: int = 0,
                  progress: bool = False, mesh: "str | MeshSpec | jax.sharding.Mesh | None" = None,
-                 rules: ShardingRules = DEFAULT_RULES, device_memory: int | str | None = None):
+                 rules: ShardingRules = DEFAULT_RULES, device_memory: int | str | None = None,
+                 compile_cache: str | Path | None = None):
         """mesh: run over a (data, tensor, expert) device mesh, e.g. ``"data=2,tensor=2,expert=2"`` (a spec
         over all devices, or a ``jax.sharding.Mesh`` from ``sharding.make_mesh``): params and caches are
         sharded by ``rules`` (``sharding.DEFAULT_RULES``) and the slots split over ``data``. None: one
         device. device_memory: usable bytes per device for the memory check (default: what the device
-        reports; on CPU the host memory divided among its devices)."""
+        reports; on CPU the host memory divided among its devices). compile_cache: a directory for jax's
+        persistent compilation cache (``compile_cache.enable_compile_cache``; process-wide): a later
+        engine with the same model and shapes loads its programs instead of compiling them, and on a
+        GPU reuses the first compilation's autotuned kernel choices for XLA's GEMMs (compiled afresh,
+        XLA may time its way to another kernel, with other bits)."""
+        if compile_cache is not None:
+            enable_compile_cache(compile_cache)
         path = Path(model)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a checkpoint directory in the official "
