@@ -35,6 +35,9 @@ Sections:
   dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
   XLA-only path, as a ratio to the kernel path.
 Each case records compile time (first call) and peak device memory. Results go to $OUT/e2e_gpu.json.
+Compiled programs go to jax's persistent cache (``--compile-cache``, default ``.jax_cache`` in the repo):
+a later run of the same code on the same machine loads them, and its compile events then say "cache
+hit"; time true compiles with ``--compile-cache none``.
 """
 
 from __future__ import annotations
@@ -51,11 +54,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
+# jax's default pool is 75 % of the GPU (104 of 139 GiB on the H200). The 12-layer slice holds 88.7 GiB
+# of weights and its 2048-token prefill peaked at 94.1 GiB (2026-12-04, session 12), so a 4096-token
+# chunk (~2x the temporaries) would nearly fill that pool. Set before jax starts its backend; the
+# environment still overrides it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from deepinfer_jax.compile_cache import autotune_dir, enable_compile_cache  # noqa: E402
 from deepinfer_jax.config import AttnMode  # noqa: E402
 from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  # noqa: E402
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
@@ -90,18 +99,49 @@ class compile_log:
             self.events.append(dict(stage=stage, fun=str(kw.get("fun_name", "")), seconds=secs))
             log(f"  compile: {stage} {secs:.1f} s ({kw.get('fun_name', '')})")
 
+    def _on_event(self, event: str, **kw):
+        # a hit means the stage times above are a load from --compile-cache, not a compile
+        kind = {"/jax/compilation_cache/cache_hits": "hit", "/jax/compilation_cache/cache_misses": "miss"}.get(event)
+        if kind:
+            self.events.append(dict(stage=f"cache {kind}"))
+            log(f"  compile: persistent cache {kind}")
+
     def __enter__(self) -> list:
         jax.monitoring.register_event_duration_secs_listener(self._on)
+        jax.monitoring.register_event_listener(self._on_event)
         return self.events
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._on)
+        jax.monitoring.unregister_event_listener(self._on_event)
         return False
 
 
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def pool_bytes() -> int | None:
+    """The device memory jax's allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def _count_files(d: Path) -> int:
+    return sum(1 for p in d.rglob("*") if p.is_file()) if d.is_dir() else 0
+
+
+def _copy_autotune(cache: Path, dest: Path, limit: int = 32 << 20) -> int:
+    """Copy the cache's autotuning results (not the compiled programs: too large to carry) -> files copied."""
+    import shutil
+
+    src = autotune_dir(cache)
+    files = [p for p in src.rglob("*") if p.is_file()] if src.is_dir() else []
+    if not files or sum(p.stat().st_size for p in files) > limit:
+        return 0
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    return len(files)
 
 
 def save(out: Path | None = None):
@@ -488,7 +528,10 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
                     f"{n / s:9.0f} tok/s {rec['tflops']:6.1f} TFLOP/s")
             if dense:
                 line += f" = {rec['dense_fraction']:.1%} of dense"
-            line += f" (steps skipping upper layers: {rec['steps_skipping_upper']}; warm-up {compile_s:.0f} s)"
+            line += f" (steps skipping upper layers: {rec['steps_skipping_upper']}; warm-up {compile_s:.0f} s"
+            if rec["peak_bytes"] and (pool := pool_bytes()):
+                line += f"; peak {rec['peak_bytes'] / 2**30:.0f} of {pool / 2**30:.0f} GiB"
+            line += ")"
             log(line)
             TABLE.append(line)
             RESULTS["sections"]["prefill (partial)"] = rows
@@ -513,9 +556,16 @@ def main(argv=None):
                     "(default: the engine's automatic choice)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
+                    help="jax's persistent compilation cache (with XLA's per-fusion autotuning results), or "
+                    "'none'. Its autotuning part is copied to OUT/autotune_cache (small files) for carrying "
+                    "into a later call: see NOTES.md, device plan")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.compile_cache != "none":
+        RESULTS["compile_cache"] = str(enable_compile_cache(args.compile_cache))
+        RESULTS["autotune_entries_at_start"] = _count_files(autotune_dir(RESULTS["compile_cache"]))
     save(out)
     want = set(args.sections.split(","))
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -547,7 +597,7 @@ def main(argv=None):
     m = Model(cfg, params, tok, token_map, stored)
     RESULTS["slice"] = dict(layers=args.layers, weight_bytes=tree_bytes(params), build_s=time.time() - t,
                             roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
-                            matmul_macs_per_token=matmul_macs_per_token(cfg, params))
+                            matmul_macs_per_token=matmul_macs_per_token(cfg, params), pool_bytes=pool_bytes())
     log(f"slice: {RESULTS['slice']}")
     max_len = max(contexts) + 64
     if "decode" in want:
@@ -569,6 +619,8 @@ def main(argv=None):
                 dataclasses.replace(numerics, kernels="xla"),
                 ints(args.xla_batches), contexts[:1], max_len, "xla-only")
     RESULTS["peak_bytes"] = peak_bytes()
+    if "compile_cache" in RESULTS:
+        RESULTS["autotune_cache_copied"] = _copy_autotune(Path(RESULTS["compile_cache"]), out / "autotune_cache")
     save(out)
     log("\n==== e2e summary ====")
     for line in TABLE:
