@@ -75,6 +75,26 @@ def test_mhc_mixes_and_apply(unroll):
           ref.post_apply(y, x, rq, rc))
 
 
+def test_mhc_unrolled_sinkhorn_at_prefill_sizes_is_cut_into_segments_with_the_same_values():
+    """From Numerics.sinkhorn_segment_rows rows the unrolled rounds carry barriers (XLA's GPU fusion pass
+    prices one long chain slowly); the arithmetic is the loop's, round for round."""
+    import jax
+
+    r = rng(6)
+    rows = Numerics().sinkhorn_segment_rows
+    x = jnp.asarray(r.standard_normal((1, rows, 4, 16)), jnp.float32)
+    fn = jnp.asarray(r.standard_normal((24, 64)) / 8, jnp.float32)
+    base, scale = jnp.asarray(r.standard_normal(24), jnp.float32), jnp.asarray(r.standard_normal(3), jnp.float32)
+    kw = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20, segment_rows=rows)
+    looped = mhc.mixes(x, fn, base, scale, unroll=False, **kw)[2]
+    unrolled = mhc.mixes(x, fn, base, scale, unroll=True, **kw)[2]
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(looped), rtol=1e-6, atol=0)
+    barriers = lambda n: jax.jit(lambda *a: mhc.mixes(*a, unroll=True, **kw)).lower(  # noqa: E731
+        x[:, :n], fn, base, scale).as_text().count("optimization_barrier")
+    assert barriers(rows) == (20 - 2) // mhc.SINKHORN_SEGMENT_ROUNDS      # 19 rounds: barriers before 5, 10, 15
+    assert barriers(rows - 1) == 0
+
+
 def test_mhc_stream_dot_on_a_bf16_stream_is_the_fp32_dot():
     """A bf16 stream takes the split-weight bf16 dot (mhc.stream_dot): every product exact, so it is the
     fp32 dot up to fp32 summation order; the split itself must be exact."""

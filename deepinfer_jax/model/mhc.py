@@ -37,11 +37,24 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array) -> jax.Array:
     return (parts[..., 2 * m:] + parts[..., m:2 * m]) + parts[..., :m]
 
 
+# XLA's GPU fusion pass prices every candidate fusion with a symbolic tiling search. Unrolled, the
+# 19 Sinkhorn rounds form one candidate chain, and for some shapes that search is slow: compiled for the
+# H200 on a CPU (jax 0.12, deviceless), one `mixes` took 4.1-5.1 s at 64 x 1, 1024 and 4096 rows (1.2 s
+# at 2048, where XLA fused less), and the 12-layer slice's prefill program 33 s at a 2048-token chunk
+# but 113 s at 4096 (benchmarks/NOTES.md). Barriers every few rounds bound each chain (~1.3-2.3 s a call
+# at any row count) for ~17-25 more kernels a call: nothing beside a prefill chunk, but 24 calls a
+# decode step, so decode keeps one chain by default (``Numerics.sinkhorn_segment_rows``).
+SINKHORN_SEGMENT_ROUNDS = 5
+
+
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
-          hc_eps: float, sinkhorn_iters: int, unroll: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+          hc_eps: float, sinkhorn_iters: int, unroll: bool = False,
+          segment_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
-    unroll: the Sinkhorn rounds unrolled (no while loop; ``Numerics.sinkhorn_unroll``)."""
+    unroll: the Sinkhorn rounds unrolled (no while loop; ``Numerics.sinkhorn_unroll``). segment_rows:
+    from this many rows B*T the unrolled rounds are cut into segments of SINKHORN_SEGMENT_ROUNDS
+    (``Numerics.sinkhorn_segment_rows``; None: never)."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
     m = stream_dot(x_bthd.reshape(b, t, hc * d), fn)
@@ -56,8 +69,14 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    # By default a loop rather than unrolled rounds: same arithmetic, a much smaller graph to compile.
-    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb, unroll=True if unroll else 1)
+    if not unroll:   # a loop: same arithmetic, a much smaller graph to compile
+        return pre, post, jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb)
+    cut = segment_rows is not None and b * t >= segment_rows
+    segment = SINKHORN_SEGMENT_ROUNDS if cut else sinkhorn_iters
+    for i in range(sinkhorn_iters - 1):
+        if i and i % segment == 0:
+            comb = jax.lax.optimization_barrier(comb)
+        comb = sinkhorn_round(i, comb)
     return pre, post, comb
 
 

@@ -53,6 +53,10 @@ class Numerics:
     # unrolled rounds double the tiny model's compile time on CPU and may fuse differently (1 ulp).
     # None = unrolled exactly when JAX's default backend is a GPU.
     sinkhorn_unroll: bool | None = None
+    # From this many rows (B * T) the unrolled rounds are cut into segments by barriers (mhc.py says
+    # why: XLA's GPU fusion pass compiled one 19-round chain slowly, 113 s for the slice's chunk-4096
+    # prefill program against 41 s cut). None: one chain at every size. Same arithmetic either way.
+    sinkhorn_segment_rows: int | None = 512
     # The largest E8M0 byte of the routed experts' FP4 scales, when the engine has read the weights
     # (``moe.prepare_experts_for_kernel``); None = not known. At <= 128 the grouped GEMM may decode FP4
     # with its cheaper "subnormal" decoder (exact for those scales only): measured 0.752 -> 0.615 ms for

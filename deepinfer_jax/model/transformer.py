@@ -25,7 +25,7 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Nume
     with jax.named_scope(f"mhc_{site}"):
         return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                         unroll=numerics.unroll_sinkhorn())
+                         unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,

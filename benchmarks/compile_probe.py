@@ -1,0 +1,154 @@
+"""Compile the engine's programs for the H200 on a machine without a GPU (XLA's deviceless AOT compile).
+
+    # once: a venv of its own, since a CUDA plugin changes what jax finds at start-up
+    python3.12 -m venv ../aotenv && ../aotenv/bin/pip install "jax[cuda12]==$(.venv/bin/python -c \
+        'import jax; print(jax.__version__)')" && ../aotenv/bin/pip install -e .
+    ../aotenv/bin/python benchmarks/compile_probe.py --layers 12 --prefill 2048,4096 --decode 64
+
+For each program (the slice's prefill, lower part, at each chunk; its decode step at each batch) it prints
+the trace + lowering time, XLA's compile time, the compiled program's temporary and argument bytes
+(XLA's own memory analysis), and its number of fusion kernels. Nothing runs and no weights are made:
+params, caches and inputs are abstract values placed on a compile-only H200 described by
+``h200_target_config.txtpb``. So device time goes to timing programs, not to finding out that one takes
+four minutes to compile or does not fit.
+
+What it does not show: autotuning (needs the GPU; its results can be carried, see ``e2e_gpu.py``'s
+``--compile-cache``) and anything about run time. Compile times here are for comparisons on the same
+machine: a 2-core machine compiles several times slower than the H200 host's 16 cores.
+
+The kernel registry picks implementations by the platform of jax's first device, which is the CPU here,
+so this script resolves them as on "cuda" (the Pallas kernels are lowered for Mosaic GPU as on the H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+TARGET_CONFIG = HERE / "h200_target_config.txtpb"
+
+
+def compile_only_sharding(target_config: Path):
+    """A replicated sharding on a compile-only CUDA device described by target_config."""
+    from jax.experimental import topologies
+
+    jax.config.update("jax_platforms", "cpu")   # no GPU backend to start: the topology brings its compiler
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config.read_text(), topology="1x1x1")
+    mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def resolve_as_cuda() -> None:
+    """Make the kernel registry choose as on a CUDA device (its default platform is jax's first device)."""
+    from pallas_kernels import registry
+
+    resolve = registry.resolve
+
+    def as_cuda(op, *, impl=None, selection=registry.AUTO, platform=None, device=None):
+        return resolve(op, impl=impl, selection=selection, platform=platform or "cuda", device=None)
+
+    registry.resolve = as_cuda
+
+
+def abstract_params(cfg):
+    """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16),
+    as ShapeDtypeStructs."""
+    from deepinfer_jax.checkpoint.names import JNP_DTYPES
+    from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, expected_tensors
+    from deepinfer_jax.model.linear import dequantize_dense_fp8
+    from deepinfer_jax.model.moe import prepare_expert_scales
+    from slice_model import _leaf_table
+
+    specs = {n: s for n, s in expected_tensors(cfg).items() if s.group == BACKBONE}
+    leaves, counts = _leaf_table(specs)
+    tree: dict = {}
+    for path, (_, dtype, shape) in leaves.items():
+        node = tree
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = jax.ShapeDtypeStruct((counts[path], *shape) if path in counts else shape, JNP_DTYPES[dtype])
+    tree["layers"] = tuple(tree["layers"][i] for i in range(cfg.num_hidden_layers))
+    return jax.eval_shape(lambda p: dequantize_dense_fp8(prepare_expert_scales(p)), tree)
+
+
+def probe(fn, args, sharding, label: str) -> dict:
+    place = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), t)
+    t0 = time.time()
+    with jax.threefry_partitionable(True):
+        lowered = fn.trace(*map(place, args)).lower()
+        t1 = time.time()
+        compiled = lowered.compile()
+    t2 = time.time()
+    mem = compiled.memory_analysis()
+    rec = dict(program=label, lower_s=t1 - t0, compile_s=t2 - t1, temp_bytes=mem.temp_size_in_bytes,
+               argument_bytes=mem.argument_size_in_bytes, fusions=compiled.as_text().count(" fusion("))
+    print(f"{label}: trace+lower {rec['lower_s']:.1f} s, compile {rec['compile_s']:.1f} s, temp "
+          f"{rec['temp_bytes'] / 2**30:.2f} GiB, arguments {rec['argument_bytes'] / 2**30:.1f} GiB, "
+          f"{rec['fusions']} fusion kernels", flush=True)
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--prefill", default="2048", help="prefill chunks to compile (lower part), e.g. 2048,4096")
+    ap.add_argument("--prompt", type=int, default=32768, help="the prefill engine's context (max_len - 16)")
+    ap.add_argument("--decode", default="", help="decode batches to compile, e.g. 64")
+    ap.add_argument("--context", type=int, default=4096, help="the decode engine's context (max_len - 64)")
+    ap.add_argument("--sinkhorn-segment-rows", default="default",
+                    help="Numerics.sinkhorn_segment_rows: an int, 'none', or 'default' (the engine's)")
+    ap.add_argument("--target-config", type=Path, default=TARGET_CONFIG)
+    ap.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    args = ap.parse_args(argv)
+
+    sharding = compile_only_sharding(args.target_config)
+    resolve_as_cuda()
+    from deepinfer_jax.engine.scheduler import EngineConfig, Scheduler
+    from deepinfer_jax.engine.token_map import compressed_token_map
+    from deepinfer_jax.engine.tokenizer import Tokenizer
+    from deepinfer_jax.model.numerics import Numerics
+    from e2e_gpu import decode_inputs
+    from slice_model import TOKENIZER_DIR, slice_config
+
+    cfg = slice_config(args.layers)
+    params = abstract_params(cfg)
+    # as the GPU engine runs: unrolled Sinkhorn, and the cheaper FP4 decoder the slice's scales allow
+    numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, fp4_scale_max=127)
+    if args.sinkhorn_segment_rows != "default":
+        rows = None if args.sinkhorn_segment_rows == "none" else int(args.sinkhorn_segment_rows)
+        numerics = dataclasses.replace(numerics, sinkhorn_segment_rows=rows)
+    tok = Tokenizer.from_dir(TOKENIZER_DIR)
+    token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
+    records = []
+    for chunk in (int(c) for c in args.prefill.split(",") if c):
+        sch = Scheduler(params, cfg, tok, token_map, numerics,
+                        EngineConfig(max_slots=1, max_len=args.prompt + 16, chunk_size=chunk))
+        inp = sch._common_inputs(chunk)
+        inp.update(tokens=np.ones((1, chunk), np.int32), replay_mask=np.ones((1, chunk), bool),
+                   last_index=np.full(1, chunk - 1, np.int32), admit=np.ones(1, bool))
+        inp["positions"][0] = np.arange(chunk)
+        records.append(probe(sch._prefill, (params, sch.state, inp, sch.consts), sharding,
+                             f"prefill chunk {chunk} (layers to the last KV source)"))
+    for b in (int(v) for v in args.decode.split(",") if v):
+        sch = Scheduler(params, cfg, tok, token_map, numerics,
+                        EngineConfig(max_slots=b, max_len=args.context + 64, chunk_size=256))
+        records.append(probe(sch._decode, (params, sch.state, decode_inputs(sch, args.context), sch.consts),
+                             sharding, f"decode B={b} context {args.context}"))
+    if args.out:
+        args.out.write_text(json.dumps(dict(jax=jax.__version__, layers=args.layers, records=records), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
