@@ -554,6 +554,9 @@ def main(argv=None):
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--kernels", default=None, help='Numerics.kernels for every section, e.g. "indexer=pallas" '
                     "(default: the engine's automatic choice)")
+    ap.add_argument("--sinkhorn-segment-rows", default="default",
+                    help="Numerics.sinkhorn_segment_rows for every section: an int (1: decode too), 'none', or "
+                    "'default' (the engine's: prefill chunks only)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -587,6 +590,10 @@ def main(argv=None):
     numerics = Numerics.reference()
     if args.kernels:
         numerics = dataclasses.replace(numerics, kernels=args.kernels)
+    if args.sinkhorn_segment_rows != "default":
+        rows = None if args.sinkhorn_segment_rows == "none" else int(args.sinkhorn_segment_rows)
+        numerics = dataclasses.replace(numerics, sinkhorn_segment_rows=rows)
+    RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     if experts_run_kernel(numerics):     # as the engine (LLM) does at load on the GPU path
