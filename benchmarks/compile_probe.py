@@ -125,8 +125,9 @@ def main(argv=None) -> int:
 
     cfg = slice_config(args.layers)
     params = abstract_params(cfg)
-    # as the GPU engine runs: unrolled Sinkhorn, and the cheaper FP4 decoder the slice's scales allow
-    numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, fp4_scale_max=127)
+    # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot, the cheaper FP4 decoder the slice allows
+    numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
+                                   fp4_scale_max=127)
     if args.sinkhorn_segment_rows != "default":
         rows = None if args.sinkhorn_segment_rows == "none" else int(args.sinkhorn_segment_rows)
         numerics = dataclasses.replace(numerics, sinkhorn_segment_rows=rows)

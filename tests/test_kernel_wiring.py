@@ -378,3 +378,22 @@ def test_dense_fp8_held_as_bf16_changes_no_bits(tiny_params, tiny_cfg, tiny_toke
     want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, nq)
     got = run_chunks(held, tiny_cfg, tiny_token_map, prompts, 7, nq)
     assert np.array_equal(got, want)
+
+
+def test_gpu_forms_of_mhc_run_the_tiny_model_within_bf16_tolerance(tiny_params, tiny_cfg, tiny_token_map):
+    """What a GPU backend picks by default for mHC (the bf16 stream dot, the unrolled Sinkhorn rounds;
+    here also cut into segments at 8 rows so that form runs too) against the CPU defaults. Each moves a
+    mix coefficient by fp32 ulps (tests/test_modules_vs_numpy.py), so the logits agree to bf16 noise."""
+    import dataclasses
+
+    from test_model_consistency import _prompts, run_chunks
+
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    cpu = Numerics.reference()
+    gpu = dataclasses.replace(cpu, stream_dot_bf16=True, sinkhorn_unroll=True, sinkhorn_segment_rows=8)
+    assert not (cpu.bf16_stream_dot() or cpu.unroll_sinkhorn())      # this test runs on a CPU backend
+    want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, cpu)
+    got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, gpu)
+    # the brief's bf16-path tolerance, 1e-2 of the logit scale (on this model the logits came out equal)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.abs(want).max() > 1.0

@@ -96,8 +96,8 @@ def test_mhc_unrolled_sinkhorn_at_prefill_sizes_is_cut_into_segments_with_the_sa
 
 
 def test_mhc_stream_dot_on_a_bf16_stream_is_the_fp32_dot():
-    """A bf16 stream takes the split-weight bf16 dot (mhc.stream_dot): every product exact, so it is the
-    fp32 dot up to fp32 summation order; the split itself must be exact."""
+    """mhc.stream_dot's bf16 form (the GPU default, Numerics.bf16_stream_dot): every product exact, so it
+    is the fp32 dot up to fp32 summation order; the split itself must be exact."""
     r = rng(5)
     fn = (r.standard_normal((24, 4 * 640)) / 30).astype(np.float32)
     fn[0, :8] = [1.0, -2.5e-3, 3.0e-30, 1e30, 0.0, -0.0, 1 + 2**-23, -(1 - 2**-24)]   # ends of the range, last bits
@@ -106,11 +106,11 @@ def test_mhc_stream_dot_on_a_bf16_stream_is_the_fp32_dot():
     fn[0, :8] = r.standard_normal(8) / 30
     x = jnp.asarray(r.standard_normal((2, 3, 4 * 640)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ fn.astype(np.float64).T
-    got = np.asarray(mhc.stream_dot(x, jnp.asarray(fn)), np.float64)
+    got = np.asarray(mhc.stream_dot(x, jnp.asarray(fn), bf16=True), np.float64)
     # fp32 accumulation of 2560 exact products: within ~sqrt(2560) fp32 ulps of the sum of |terms|
     bound = np.abs(np.asarray(x, np.float64)) @ np.abs(fn.astype(np.float64)).T
     assert np.all(np.abs(got - want) <= 1e-5 * bound)
-    assert not np.array_equal(np.asarray(mhc.stream_dot(x, jnp.asarray(fn)), np.float64),
+    assert not np.array_equal(got,
                               np.asarray(x, np.float64) @ np.asarray(jnp.asarray(fn, jnp.bfloat16), np.float64).T)
 
 

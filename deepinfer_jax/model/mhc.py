@@ -20,16 +20,16 @@ def split_bf16x3(w: jax.Array) -> jax.Array:
     return jnp.concatenate([hi, mid, lo], axis=-2)
 
 
-def stream_dot(x_btk: jax.Array, fn_mk: jax.Array) -> jax.Array:
+def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Array:
     """x [B, T, K] @ fn [M, K]^T in fp32 -> [B, T, M], fn fp32.
 
-    With a bf16 stream the dot runs on bf16 operands with fp32 accumulation, fn split into three bf16
-    parts (``split_bf16x3``): every product is exact in fp32, so this is the fp32 dot with another
-    summation order (parts summed small to large), as ``linear.dot_f32`` does for the head. At HIGHEST
-    on fp32 operands XLA ran it on the CUDA cores: 48 ms of the H200 slice's 32k prefill (384 calls of
-    [2048, 20480] x [20480, 24]; 2026-12-04 trace) and a reduce fusion per call at decode. fp32
-    streams (``Numerics.exact``) keep the HIGHEST fp32 dot."""
-    if x_btk.dtype != jnp.bfloat16:
+    bf16 (``Numerics.bf16_stream_dot``), with a bf16 stream: the dot runs on bf16 operands with fp32
+    accumulation, fn split into three bf16 parts (``split_bf16x3``). Every product is exact in fp32,
+    so this is the fp32 dot with another summation order (parts summed small to large), as
+    ``linear.dot_f32`` does for the head. At HIGHEST on fp32 operands XLA ran it on the CUDA cores:
+    48 ms of the H200 slice's 32k prefill (384 calls of [2048, 20480] x [20480, 24]; 2026-12-04 trace)
+    and a reduce fusion per call at decode. Otherwise, and for fp32 streams, the HIGHEST fp32 dot."""
+    if not bf16 or x_btk.dtype != jnp.bfloat16:
         return jnp.einsum("btk,mk->btm", x_btk.astype(jnp.float32), fn_mk, precision=jax.lax.Precision.HIGHEST)
     m = fn_mk.shape[0]
     parts = jnp.einsum("btk,mk->btm", x_btk, split_bf16x3(fn_mk.astype(jnp.float32)),
@@ -48,16 +48,16 @@ SINKHORN_SEGMENT_ROUNDS = 5
 
 
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
-          hc_eps: float, sinkhorn_iters: int, unroll: bool = False,
-          segment_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
+          bf16_dot: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
     unroll: the Sinkhorn rounds unrolled (no while loop; ``Numerics.sinkhorn_unroll``). segment_rows:
     from this many rows B*T the unrolled rounds are cut into segments of SINKHORN_SEGMENT_ROUNDS
-    (``Numerics.sinkhorn_segment_rows``; None: never)."""
+    (``Numerics.sinkhorn_segment_rows``; None: never). bf16_dot: ``stream_dot``'s bf16 form."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
-    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn)
+    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn, bf16_dot)
     m = m * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + norm_eps)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])

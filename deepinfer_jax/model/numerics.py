@@ -57,6 +57,11 @@ class Numerics:
     # why: XLA's GPU fusion pass compiled one 19-round chain slowly, 113 s for the slice's chunk-4096
     # prefill program against 41 s cut). None: one chain at every size. Same arithmetic either way.
     sinkhorn_segment_rows: int | None = 512
+    # mHC's stream-mix dots on the bf16 stream with fn split into three bf16 parts (mhc.stream_dot):
+    # exact products, fp32 accumulation, on the tensor cores instead of an fp32 GEMM at HIGHEST. None =
+    # on a GPU backend only: XLA:CPU's bf16 dot gave a row other bits when the row count changed (the
+    # 8-device data-parallel test, tests/test_sharding.py), and the CPU gains nothing from it.
+    stream_dot_bf16: bool | None = None
     # The largest E8M0 byte of the routed experts' FP4 scales, when the engine has read the weights
     # (``moe.prepare_experts_for_kernel``); None = not known. At <= 128 the grouped GEMM may decode FP4
     # with its cheaper "subnormal" decoder (exact for those scales only): measured 0.752 -> 0.615 ms for
@@ -95,6 +100,12 @@ class Numerics:
         if self.sinkhorn_unroll is None:
             return jax.default_backend() == "gpu"
         return self.sinkhorn_unroll
+
+    def bf16_stream_dot(self) -> bool:
+        """``stream_dot_bf16`` resolved: None means on a GPU backend only."""
+        if self.stream_dot_bf16 is None:
+            return jax.default_backend() == "gpu"
+        return self.stream_dot_bf16
 
     def kernel_mode(self, op: str) -> str:
         """The mode (``KERNEL_MODES``) that ``kernels`` names for op (``attention`` or ``experts``)."""
