@@ -5,7 +5,7 @@
         'import jax; print(jax.__version__)')" && ../aotenv/bin/pip install -e .
     ../aotenv/bin/python benchmarks/compile_probe.py --layers 12 --prefill 2048,4096 --decode 64
 
-For each program (the slice's prefill, lower part, at each chunk; its decode step at each batch) it prints
+For each program (the slice's two prefill programs at each chunk; its decode step at each batch) it prints
 the trace + lowering time, XLA's compile time, the compiled program's temporary and argument bytes
 (XLA's own memory analysis), and its number of fusion kernels. Nothing runs and no weights are made:
 params, caches and inputs are abstract values placed on a compile-only H200 described by
@@ -83,12 +83,15 @@ def abstract_params(cfg):
     return jax.eval_shape(lambda p: dequantize_dense_fp8(prepare_expert_scales(p)), tree)
 
 
+def place_on(tree, sharding):
+    """Arrays, numpy inputs or ShapeDtypeStructs -> ShapeDtypeStructs placed on the compile-only device."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree)
+
+
 def probe(fn, args, sharding, label: str) -> dict:
-    place = lambda t: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), t)
     t0 = time.time()
     with jax.threefry_partitionable(True):
-        lowered = fn.trace(*map(place, args)).lower()
+        lowered = fn.trace(*(place_on(a, sharding) for a in args)).lower()
         t1 = time.time()
         compiled = lowered.compile()
     t2 = time.time()
@@ -141,8 +144,13 @@ def main(argv=None) -> int:
         inp.update(tokens=np.ones((1, chunk), np.int32), replay_mask=np.ones((1, chunk), bool),
                    last_index=np.full(1, chunk - 1, np.int32), admit=np.ones(1, bool))
         inp["positions"][0] = np.arange(chunk)
-        records.append(probe(sch._prefill, (params, sch.state, inp, sch.consts), sharding,
+        step_args = (params, sch.state, inp, sch.consts)
+        records.append(probe(sch._prefill, step_args, sharding,
                              f"prefill chunk {chunk} (layers to the last KV source)"))
+        if sch._prefill_upper is not None:      # bounded replay's second program, fed by the first's carry
+            carry = jax.eval_shape(sch._prefill, *(place_on(a, sharding) for a in step_args))[1]
+            records.append(probe(sch._prefill_upper, (params, sch.state, carry, inp, sch.consts), sharding,
+                                 f"prefill chunk {chunk} (layers above it, the head and the sampler)"))
     for b in (int(v) for v in args.decode.split(",") if v):
         sch = Scheduler(params, cfg, tok, token_map, numerics,
                         EngineConfig(max_slots=b, max_len=args.context + 64, chunk_size=256))
