@@ -11,8 +11,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from deepinfer_jax.compile_cache import enable_compile_cache
 from deepinfer_jax.checkpoint.loader import load_params
+from deepinfer_jax.compile_cache import enable_compile_cache
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine.encoding import encode_messages
 from deepinfer_jax.engine.sampling import SamplingParams

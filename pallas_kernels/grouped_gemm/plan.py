@@ -35,7 +35,8 @@ class TilePlan:
     dest_m [M] int32: the padded row of each token row (0 for rows with an out-of-range group).
     valid_m [M] bool: the row's group id is in [0, G).
     sorted_pos [M] int32: the padded row of the i-th row in group order (the valid rows, then 0s).
-    sorted_m [M] int32: each token row's index i in that order (``compact_columns``' output order)."""
+    sorted_m [M] int32: each token row's index i in that order (the order ``kernel._unpermute`` compacts
+    y^T's columns in)."""
 
     row_src: jax.Array
     tile_group: jax.Array
