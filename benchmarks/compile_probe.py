@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.engine.token_map import compressed_token_map
     from deepinfer_jax.engine.tokenizer import Tokenizer
     from deepinfer_jax.model.numerics import Numerics
-    from e2e_gpu import decode_inputs
+    from e2e_gpu import decode_inputs, with_segment_rows
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
@@ -131,9 +131,7 @@ def main(argv=None) -> int:
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot, the cheaper FP4 decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    fp4_scale_max=127)
-    if args.sinkhorn_segment_rows != "default":
-        rows = None if args.sinkhorn_segment_rows == "none" else int(args.sinkhorn_segment_rows)
-        numerics = dataclasses.replace(numerics, sinkhorn_segment_rows=rows)
+    numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
     records = []

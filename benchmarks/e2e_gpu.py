@@ -117,6 +117,14 @@ class compile_log:
         return False
 
 
+def with_segment_rows(numerics: Numerics, text: str) -> Numerics:
+    """numerics with ``sinkhorn_segment_rows`` from a ``--sinkhorn-segment-rows`` value: an int, 'none'
+    (one chain at every size) or 'default' (unchanged)."""
+    if text == "default":
+        return numerics
+    return dataclasses.replace(numerics, sinkhorn_segment_rows=None if text == "none" else int(text))
+
+
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -590,9 +598,7 @@ def main(argv=None):
     numerics = Numerics.reference()
     if args.kernels:
         numerics = dataclasses.replace(numerics, kernels=args.kernels)
-    if args.sinkhorn_segment_rows != "default":
-        rows = None if args.sinkhorn_segment_rows == "none" else int(args.sinkhorn_segment_rows)
-        numerics = dataclasses.replace(numerics, sinkhorn_segment_rows=rows)
+    numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
