@@ -293,33 +293,35 @@ def test_tiled_api_checks_the_plan_and_the_weights():
         grouped_matmul_tiles(plan, x_pk, w, s, config=GroupedMatmulConfig(block_m=32))
     with pytest.raises(ValueError, match="K=64 but w"):
         grouped_matmul_tiles(plan, x_pk[:, :64], w, s, config=GroupedMatmulConfig(block_m=16))
-    # retile: y^T tile-order [K, T*bm] -> the next GEMM's rows, bf16, FP4 K order
-    h = jnp.arange(128 * 64, dtype=jnp.float32).reshape(128, 64)
-    assert np.array_equal(np.asarray(retile(h, fp4=False)), np.asarray(h.T.astype(jnp.bfloat16)))
+    # retile: tile-order rows [T*bm, K] -> the next GEMM's rows, bf16, FP4 K order
+    h = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128)
+    assert np.array_equal(np.asarray(retile(h, fp4=False)), np.asarray(h.astype(jnp.bfloat16)))
     assert np.array_equal(np.asarray(retile(h, fp4=True)),
-                          np.asarray(h.T.astype(jnp.bfloat16))[:, np.asarray(fp4_k_permutation(128))])
+                          np.asarray(h.astype(jnp.bfloat16))[:, np.asarray(fp4_k_permutation(128))])
 
 
 @pytest.mark.parametrize("rows, groups", [(6, 4), (200, 3)])
-def test_untile_rows_puts_every_row_back(rows, groups):
-    """untile_rows on both of its forms: few rows per padded row (6 rows in 4 tiles of 16: the gather reads
-    y^T directly) and many (200 rows in 3 groups, ~1.2 padded rows each: y is transposed first); dropped
+def test_untile_rows_and_the_transposed_unpermute_put_every_row_back(rows, groups):
+    """untile_rows (y [P, N], the kernel's default output) and the y^T un-permute on both of its forms:
+    few rows per padded row (6 rows in 4 tiles of 16: the gather reads y^T directly) and many (200 rows
+    in 3 groups, ~1.2 padded rows each: the routed columns are compacted and transposed first); dropped
     rows (group -1 or >= G) come back as zeros."""
-    from pallas_kernels.grouped_gemm.kernel import _TRANSPOSE_FIRST_PADDING, untile_rows
+    from pallas_kernels.grouped_gemm.kernel import _TRANSPOSE_FIRST_PADDING, _unpermute, untile_rows
 
     rng = np.random.default_rng(rows)
     gid = rng.integers(-1, groups + 1, rows).astype(np.int32)
     plan = make_tile_plan(jnp.asarray(gid), groups, 16, max_tiles(rows, groups, 16))
     padded = plan.row_src.shape[0]
-    assert (padded <= _TRANSPOSE_FIRST_PADDING * rows) == (rows == 200)   # each form is taken once
-    y_np = rng.standard_normal((24, padded)).astype(np.float32)
-    got = np.asarray(jax.jit(untile_rows)(jnp.asarray(y_np), plan))
+    assert (padded <= _TRANSPOSE_FIRST_PADDING * rows) == (rows == 200)   # each y^T form is taken once
+    y_pn = rng.standard_normal((padded, 24)).astype(np.float32)
     src = np.asarray(plan.row_src)
     want = np.zeros((rows, 24), np.float32)
     for p_row, m in enumerate(src):
         if m < rows:
-            want[m] = y_np[:, p_row]
-    assert np.array_equal(got, want)
+            want[m] = y_pn[p_row]
+    got = np.asarray(jax.jit(untile_rows)(jnp.asarray(y_pn), plan))
+    got_t = np.asarray(_unpermute(jnp.asarray(y_pn.T), plan, out_dtype=jnp.float32))
+    assert np.array_equal(got, want) and np.array_equal(got_t, want)
     assert np.all(got[(gid < 0) | (gid >= groups)] == 0)
 
 
@@ -467,6 +469,42 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
     np.testing.assert_allclose(np.asarray(pers), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_row_output_gives_the_transposed_outputs_bits_in_gpu_interpreter(fmt, persistent):
+    """The kernel writing y [P, N] from registers (the default) gives the bits of the y^T form stored
+    through shared memory, for both output dtypes and launches, through the op and the tiled API."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas, grouped_matmul_tiles, tile_rows
+
+    rng = np.random.default_rng(15)
+    g, n, k, m = 3, 256, 128, 21
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    rows_cfg = dataclasses.replace(_TINY_CFG, persistent=persistent)
+    t_cfg = dataclasses.replace(rows_cfg, out_rows=False)
+    assert rows_cfg.out_rows
+    plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=16, fp4=fmt is WeightFormat.FP4)
+    used = np.repeat(np.asarray(plan.tile_group) >= 0, 16)      # unused tiles are never written
+    results = {}
+    with _interpret():
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            by_rows = grouped_matmul_pallas(x, w, gid, s, out_dtype=out_dtype, config=rows_cfg)
+            by_t = grouped_matmul_pallas(x, w, gid, s, out_dtype=out_dtype, config=t_cfg)
+            assert by_rows.dtype == out_dtype and np.array_equal(_bits(by_rows), _bits(by_t))
+            results[out_dtype] = by_rows
+        tiles_rows = grouped_matmul_tiles(plan, x_pk, w, s, config=rows_cfg)   # float32 out
+        tiles_t = grouped_matmul_tiles(plan, x_pk, w, s, config=t_cfg)
+    assert not races_found()
+    assert tiles_rows.shape == tiles_t.shape == (plan.row_src.shape[0], n)
+    assert np.array_equal(_bits(tiles_rows)[used], _bits(tiles_t)[used])
+    want = np.asarray(grouped_matmul_reference(x, w, gid, s))
+    # as test_kernel_in_gpu_interpreter_matches_reference: f32 rounding of the 16-wide step sums only
+    np.testing.assert_allclose(np.asarray(results[jnp.float32]), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def _fp4_weights_every_byte(rng, g, n, k):
     """FP4 weights holding every byte value, with scales mixing 2^-125, 2^-20, 2^20 and 2^113 into
     the usual range near 2^0."""
@@ -530,9 +568,12 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
                   dict(fp4_dequant="subnormal"), dict(persistent=True),
                   dict(persistent=True, fp4_dequant="subnormal", overlap_wgmma=False)):
         cfg = GroupedMatmulConfig(block_m=32, block_n=128, block_k=64, stages=3, **extra)
-        lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg)).trace(x, w, gid, s).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+        # bf16 out: the y^T tile through shared memory and TMA; float32 out: y rows stored from
+        # registers (Mosaic checks that each store fills whole 32-byte sectors)
+        for out_dtype in (jnp.bfloat16, jnp.float32):
+            lowered = jax.jit(lambda *a, cfg=cfg, o=out_dtype: grouped_matmul_pallas(*a, config=cfg, out_dtype=o)
+                              ).trace(x, w, gid, s).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
 
 
 # ---- tuned tile configs and kernel-layout scales ------------------------------------------------------
@@ -605,7 +646,7 @@ def test_kernel_grid_of_exact_tiles_gives_the_bucketed_grids_bits():
     """Inside a caller's jit the wrapper sizes the grid to max_tiles instead of the power-of-two bucket;
     the extra tiles are empty, so every row's bits must be the same (run here piecewise, eagerly, in the
     interpreter: 3 exact tiles vs a bucket of 8)."""
-    from pallas_kernels.grouped_gemm.kernel import _plan_and_gather, _run_kernel, _unpermute
+    from pallas_kernels.grouped_gemm.kernel import _plan_and_gather, _run_kernel, untile_rows
     from pallas_kernels.grouped_gemm.scales import kernel_scales
 
     rng = np.random.default_rng(13)
@@ -622,7 +663,7 @@ def test_kernel_grid_of_exact_tiles_gives_the_bucketed_grids_bits():
             plan, x_pk = _plan_and_gather(x, gid, num_groups=g, block_m=_TINY_CFG.block_m, num_tiles=t, fp4=True)
             y = _run_kernel(plan.tile_group, x_pk, w, s_kn, fmt=WeightFormat.FP4, config=_TINY_CFG,
                             out_dtype=jnp.float32)
-            outs.append(_unpermute(y, plan, out_dtype=jnp.float32))
+            outs.append(untile_rows(y, plan, jnp.float32))
     assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
     want = np.asarray(grouped_matmul_reference(x, w, gid, s))
     np.testing.assert_allclose(np.asarray(outs[0]), want, rtol=0, atol=1e-5 * np.abs(want).max())

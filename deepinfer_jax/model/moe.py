@@ -283,9 +283,9 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
     The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 the eager op
     took 0.18 ms more than its kernel at decode 64 x 6 and 0.95 ms more at a 2048-token prefill chunk
     (kernel 0.62 / 1.20 ms; results/grouped_gemm_sweep{4,5}_2026-12-04.json). Here one sort and one
-    gather feed w1 and w3, the swiglu runs on their transposed tile-order results, w2 reads those rows
-    transposed back, and only its result is scattered. Every row meets the same kernel, tiles and
-    elementwise ops as on the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
+    gather feed w1 and w3, the swiglu runs on their tile-order result rows, w2 reads those rows, and
+    only its result is gathered back. Every row meets the same kernel, tiles and elementwise ops as on
+    the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, retile, tile_rows, untile_rows
 
     m, k = w_mk.shape
@@ -297,12 +297,12 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
                                     scales_prepared=prepared)
 
     plan, x_pk = tile_rows(x_rows, gid, num_groups=w1.shape[0], block_m=cfgs["w1"].block_m, fp4=fp4["w1"])
-    g_np, u_np = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [inter, T*block_m]
+    g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]
     w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
-    hid_np = swiglu(g_np, u_np, limit) * w_p[None, :]
-    hid_np = act_quant(hid_np.astype(numerics.dtype).T, numerics, act_block).T   # row-local, as before
-    y_np = _interpreted(lambda: run(retile(hid_np, fp4=fp4["w2"]), "w2"), interpret)
-    return untile_rows(y_np, plan, jnp.float32).reshape(m, k, -1)
+    hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
+    hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
+    y_pn = _interpreted(lambda: run(retile(hid_pn, fp4=fp4["w2"]), "w2"), interpret)
+    return untile_rows(y_pn, plan, jnp.float32).reshape(m, k, -1)
 
 
 def _auto_selection():

@@ -57,6 +57,12 @@ class GroupedMatmulConfig:
     swizzle_weights: FP8/FP4: TMA-swizzle the weight tile's rows (when they are 32, 64 or 128 bytes long)
         and load each step's bytes whole, so the consumers' shared-memory reads do not conflict on banks
         (False: the earlier unswizzled tile, read per scale block). Same values, so the same bits.
+    out_rows: write y [T*block_m, N] (a token row's outputs contiguous) from the accumulator registers
+        instead of y^T [N, T*block_m] through a shared-memory tile and TMA. The wrapper's un-permute is
+        then a plain row gather, and an expert FFN's w1/w3 results are already w2's row layout (False:
+        the earlier y^T, whose un-permute and ``retile`` transpose). Same values, so the same bits.
+        float32 outputs only (``writes_rows``): a bf16 store would write 16-byte runs, half a DRAM
+        sector, which Mosaic GPU refuses; bf16 outputs keep y^T.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 
@@ -72,6 +78,7 @@ class GroupedMatmulConfig:
     overlap_wgmma: bool = True
     persistent: bool = False
     swizzle_weights: bool = True
+    out_rows: bool = True
     xla_block_m: int = 8
 
     def __post_init__(self):
@@ -90,12 +97,17 @@ class GroupedMatmulConfig:
             raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
 
 
+def writes_rows(cfg: GroupedMatmulConfig, out_dtype) -> bool:
+    """Whether the kernel writes y [T*block_m, N] (else y^T [N, T*block_m]): ``cfg.out_rows`` for float32."""
+    return cfg.out_rows and jnp.dtype(out_dtype).itemsize == 4
+
+
 def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:
     """Shared memory the kernel allocates for this config (pipeline slots + epilogue tiles)."""
     x_tile = cfg.block_m * cfg.block_k * 2
     w_tile = cfg.block_n * cfg.block_k * fmt.weight_bits // 8
     s_tile = 0 if fmt is WeightFormat.BF16 else (cfg.block_k // SCALE_BLOCK) * cfg.block_n
-    out_tile = cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
+    out_tile = 0 if writes_rows(cfg, out_dtype) else cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
     a_stage = 0
     if fmt is not WeightFormat.BF16 and not cfg.a_from_registers:
         a_stage = cfg.block_n * SCALE_BLOCK * 2 * (2 if cfg.overlap_wgmma else 1)
@@ -157,7 +169,7 @@ def kernel_unsupported_reason(n: int, k: int, fmt: WeightFormat, cfg: GroupedMat
         return f"K={k} is not a multiple of block_k={cfg.block_k}"
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         return f"out_dtype {out_dtype} is not bfloat16 or float32"
-    if cfg.block_m * jnp.dtype(out_dtype).itemsize < 32:
+    if not writes_rows(cfg, out_dtype) and cfg.block_m * jnp.dtype(out_dtype).itemsize < 32:
         return (f"block_m={cfg.block_m} gives {cfg.block_m * jnp.dtype(out_dtype).itemsize}-byte output rows; "
                 "the TMA store needs >= 32 (a 32-byte swizzle)")
     used = smem_bytes(cfg, fmt, out_dtype)

@@ -18,9 +18,11 @@ takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them.
   exact in bf16) and fed to wgmma as a register A operand. How FP4 is decoded (``cfg.fp4_dequant``) and
   whether block c+1's dequantization overlaps block c's wgmma (``cfg.overlap_wgmma``) change the speed,
   never the bf16 values.
-* the f32 accumulator [block_n/2, block_m] is the transposed output tile; it is stored to y^T
-  [N, T*block_m] with TMA (in the persistent launch, while the next item runs), and the wrapper
-  transposes and un-permutes.
+* the f32 accumulator [block_n/2, block_m] is the transposed output tile. By default
+  (``cfg.out_rows``) each consumer stores it from registers straight into y [T*block_m, N], converted to
+  the transposed WGMMA layout so that every store writes whole 32-byte runs of a y row, and the wrapper
+  gathers the token rows back. The earlier form stores it to y^T [N, T*block_m] through shared memory
+  with TMA (in the persistent launch, while the next item runs), and the wrapper transposes.
 
 Invariance: the K loop runs in a fixed order of 16-wide wgmma steps into one f32 accumulator; there is
 no split-K and nothing depends on M, on the group sizes, or on where a row sits in its tile.
@@ -43,7 +45,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
-                                                kernel_unsupported_reason)
+                                                kernel_unsupported_reason, writes_rows)
 from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_rows, make_tile_plan, max_tiles,
                                               scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
@@ -118,8 +120,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     swizzle_w = quant and cfg.swizzle_weights and bk_bytes in (32, 64, 128)
     w_transforms = tiled(128, 2) if not quant else (tiled(bk_bytes, 1) if swizzle_w else ())
     out_itemsize = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(bm * out_itemsize * 8, "out")
-    out_transforms = tiled(out_swizzle, out_itemsize)
+    out_rows = writes_rows(cfg, out_dtype)
     copies_per_step = 3 if quant else 2
     overlap = quant and cfg.overlap_wgmma
     a_bufs = 2 if overlap else 1
@@ -174,9 +175,9 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
     def body(tile_group_ref, x_ref, w_ref, *rest):
         if quant:
-            s_ref, yt_ref, scratch = rest[0], rest[1], rest[2:]
+            s_ref, y_ref, scratch = rest[0], rest[1], rest[2:]
         else:
-            s_ref, yt_ref, scratch = None, rest[0], rest[1:]
+            s_ref, y_ref, scratch = None, rest[0], rest[1:]
         (x_smem, w_smem, s_smem, a_smem, o_smem), (full, empty) = scratch
 
         def item(k):
@@ -273,27 +274,38 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+                if out_rows:
+                    # Straight from registers into y [P, N]: in the transposed WGMMA layout each thread
+                    # holds two adjacent weight rows (output columns) of one token row, so 8 lanes write
+                    # 32 contiguous bytes of a y row (one 8-byte store each; PTX checked deviceless).
+                    y_blk = y_ref.at[pl.ds(t * bm, bm), pl.ds(nt * bn + half * wg_rows, wg_rows)]
+                    y_blk.T[...] = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                    return
                 if cfg.persistent:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's store has read o_smem
                 o_smem.at[half][...] = acc.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[half], yt_ref.at[pl.ds(nt * bn + half * wg_rows, wg_rows),
+                plgpu.copy_smem_to_gmem(o_smem.at[half], y_ref.at[pl.ds(nt * bn + half * wg_rows, wg_rows),
                                                                    pl.ds(t * bm, bm)])
 
             for_each_item(compute)
-            plgpu.wait_smem_to_gmem(0)
+            if not out_rows:
+                plgpu.wait_smem_to_gmem(0)
 
         run_warpgroups(consumer, [producer])
 
     s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
     a_staged = quant and not cfg.a_from_registers
     a_shape = (2, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
+    # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
+    o_shape = (1, 8, 32) if out_rows else (2, wg_rows, bm)
+    out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
     scratch = (
         (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
          plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
          plgpu.SMEM(s_shape, jnp.uint8),
          plgpu.SMEM(a_shape, jnp.bfloat16, transforms=tiled(64, 2)),
-         plgpu.SMEM((2, wg_rows, bm), out_dtype, transforms=out_transforms)),
+         plgpu.SMEM(o_shape, out_dtype, transforms=out_transforms)),
         (plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
     )
@@ -304,7 +316,8 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
 
     grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
-    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((n, num_tiles * bm), out_dtype),
+    out_shape = (num_tiles * bm, n) if out_rows else (n, num_tiles * bm)
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
 
 
@@ -352,8 +365,10 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
     num_tiles = max_tiles(m, g, config.block_m) if traced else bucketed_tiles(m, g, config.block_m)
     plan, x_pk = _plan_and_gather(x_mk, group_ids_m, num_groups=g, block_m=config.block_m, num_tiles=num_tiles,
                                   fp4=fmt is WeightFormat.FP4)
-    y_np = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
-    return _unpermute(y_np, plan, out_dtype=out_dtype)
+    y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    if writes_rows(config, out_dtype):
+        return _scatter_back(y, plan, out_dtype=out_dtype)
+    return _unpermute(y, plan, out_dtype=out_dtype)
 
 
 _kernel_scales_jit = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
@@ -385,9 +400,9 @@ def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
 
 
 # ---- the op in three parts, for callers that chain GEMMs on the same rows (an expert FFN) -------------
-# One plan and one gather serve w1 and w3; their y^T tiles [N, T*block_m] stay in tile order for the
-# elementwise work between the GEMMs (no transpose), w2 reads ``retile``'s transpose of them, and only
-# w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
+# One plan and one gather serve w1 and w3; their results [T*block_m, N] stay in tile order for the
+# elementwise work between the GEMMs, w2 reads them as its rows (``retile``: bf16, FP4 K order), and
+# only w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
 
 def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
               fp4: bool) -> tuple[TilePlan, jax.Array]:
@@ -404,37 +419,36 @@ def _materialized(a: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
 
-def retile(h_kp: jax.Array, *, fp4: bool) -> jax.Array:
-    """Tile-order activations transposed [K, T*block_m] (a previous ``grouped_matmul_tiles``' y^T, after
-    elementwise work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4."""
-    h_kp = h_kp.astype(jnp.bfloat16)
-    if not fp4:
-        return h_kp.T
-    # The K permutation moves whole rows while h is [K, P] (each read coalesced); then one plain
-    # transpose. Left to itself XLA fused the column take into the transpose of the quantized h, a
-    # gather writing across its operand's layout: 0.61 ms per layer-chunk for 168 MB at a 2048-token
-    # chunk (the H200 prefill trace of 2026-12-04, session 12).
-    return _materialized(jnp.take(h_kp, fp4_k_permutation(h_kp.shape[0]), axis=0)).T
+def retile(h_pk: jax.Array, *, fp4: bool) -> jax.Array:
+    """Tile-order activations [T*block_m, K] (a previous ``grouped_matmul_tiles``' y, after elementwise
+    work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4 (a permutation
+    inside each row's 32-column blocks)."""
+    return _in_kernel_k_order(h_pk.astype(jnp.bfloat16), fp4)
 
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
                          out_dtype=jnp.float32, config: GroupedMatmulConfig = GroupedMatmulConfig(),
                          scales_prepared: bool = False) -> jax.Array:
-    """The kernel on ``tile_rows`` / ``retile`` rows -> y^T [N, T*block_m] in tile order (padding
-    columns hold zeros' results); ``untile_rows`` brings it back to row order. config.block_m must be
-    the plan's."""
+    """The kernel on ``tile_rows`` / ``retile`` rows -> y [T*block_m, N] in tile order (padding rows
+    hold zeros' results, unused tiles are not written); ``untile_rows`` brings it back to row order.
+    config.block_m must be the plan's. With ``config.out_rows=False`` the kernel's y^T is transposed
+    here (for timing that kernel form only: the model runs the default), as for bf16 outputs."""
     if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
         raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
                          f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
     # (the group ids are the plan's: only their shape and dtype are checked)
     fmt, _, _, s_kernel = _kernel_operands(x_pk, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale,
                                            scales_prepared, config, out_dtype, "grouped_matmul_tiles")
-    return _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    return y if writes_rows(config, out_dtype) else y.T
 
 
-def untile_rows(y_np: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.Array:
-    """y^T [N, T*block_m] in tile order -> [M, N] in the caller's row order (0 for dropped rows)."""
-    return _unpermute(y_np, plan, out_dtype=out_dtype)
+def untile_rows(y_pn: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.Array:
+    """y [T*block_m, N] in tile order -> [M, N] in the caller's row order (0 for dropped rows)."""
+    return _scatter_back(y_pn, plan, out_dtype=out_dtype)
+
+
+_scatter_back = jax.jit(scatter_back, static_argnames=("out_dtype",))
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4"))
@@ -444,7 +458,8 @@ def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4):
     return plan, gather_rows(_in_kernel_k_order(x_mk, fp4), plan)
 
 
-# Un-permute through materialized copies when the routed rows are at least 1/4 of the padded ones.
+# The y^T form (``out_rows=False``): un-permute through materialized copies when the routed rows are at
+# least 1/4 of the padded ones.
 # Fused into the gather, the transpose reads each output value from its own 32-byte sector (~8 bytes
 # moved per byte used). Instead: the routed columns of y^T are compacted in group order first (a
 # tile's rows are contiguous columns, so the reads are runs of ~block_m values), that [N, M] array is
@@ -468,7 +483,8 @@ def _unpermute(y_np, plan, *, out_dtype):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))
 def _run_kernel(tile_group, x_pk, w, s_kernel, *, fmt, config, out_dtype):
-    """The kernel alone: tile_group [T], x_pk [T*block_m, K] -> y^T [N, T*block_m]."""
+    """The kernel alone: tile_group [T], x_pk [T*block_m, K] -> y [T*block_m, N] (y^T [N, T*block_m]
+    unless ``writes_rows(config, out_dtype)``)."""
     n = w.shape[1]
     call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype)
     args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,))
