@@ -51,7 +51,8 @@ def compile_only_sharding(target_config: Path):
 
 
 def resolve_as_cuda() -> None:
-    """Make the kernel registry choose as on a CUDA device (its default platform is jax's first device)."""
+    """Make the kernel registry and the sampler choose as on a CUDA device (they look at jax's first
+    device or backend, the CPU here; the model's GPU choices are set in its Numerics below)."""
     from pallas_kernels import registry
 
     resolve = registry.resolve
@@ -60,6 +61,10 @@ def resolve_as_cuda() -> None:
         return resolve(op, impl=impl, selection=selection, platform=platform or "cuda", device=None)
 
     registry.resolve = as_cuda
+    # the sampler's bisections are unrolled on a GPU backend (decided by jax.default_backend(), the CPU here)
+    from deepinfer_jax.engine import sampling
+
+    sampling._unrolled_search = lambda: True
 
 
 def abstract_params(cfg):
