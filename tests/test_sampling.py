@@ -122,7 +122,7 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
     assert not ambiguous, "pick another seed: the reference boundary is within float error"
     keep = np.asarray(jax.jit(sampling_mod._filter_keep)(
         jnp.asarray(x[None]), jnp.ones((1, V), bool), jnp.array([top_k]), jnp.array([top_p], jnp.float32),
-        jnp.array([min_p], jnp.float32), 32))[0]
+        jnp.array([min_p], jnp.float32), jnp.bool_(True)))[0]
     np.testing.assert_array_equal(keep, keep_ref)
     n = 256  # sampled tokens, all within the kept set
     p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -131,8 +131,9 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
 
 
 def test_unrolled_search_gives_the_loops_bits(monkeypatch):
-    """The GPU form of the bisections (32 unrolled steps, no while loop) keeps the same tokens as the
-    loop, for filtering and non-filtering rows in one batch; run here by forcing it on the CPU."""
+    """The GPU form of the threshold searches (the passes with no control flow) keeps the same tokens as
+    the CPU form (skipped by a conditional when no row filters), for filtering and non-filtering rows in
+    one batch; run here by forcing it on the CPU."""
     rng = np.random.default_rng(7)
     x = rng.normal(size=(6, V)).astype(np.float32) * 2
     x[:, [3, 9, 20]] = x[:, [7]]
@@ -144,8 +145,9 @@ def test_unrolled_search_gives_the_loops_bits(monkeypatch):
     unrolled = _run(x, params)
     for k in loop:
         np.testing.assert_array_equal(unrolled[k], loop[k], err_msg=k)
-    jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key(lambda t: t > 5, 2, None))())
-    assert "while" not in jaxpr   # the point of the GPU form
+    keys = jnp.arange(8, dtype=jnp.uint32).reshape(2, 4)
+    jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key_below(keys, None, jnp.array([1, 2]), None))())
+    assert "while" not in jaxpr and "cond" not in jaxpr   # the point of the GPU form
 
 
 def test_ties_go_to_the_lower_id():

@@ -86,6 +86,31 @@ def test_bisection_finds_the_same_picks_at_every_pass_width(bits_per_pass):
         select_topk(jnp.asarray(rows), 3, bits_per_pass=3)
 
 
+@pytest.mark.parametrize("bits_per_pass", [1, 2, 4])
+def test_least_key_below_with_masses_is_the_least_threshold(bits_per_pass):
+    """least_key_below with per-key masses (the sampler's top-p) and per-row budgets: the least t whose
+    mass above it is below the budget, found by a numpy scan over every candidate t (0 and each key).
+    Masses are small integers, so every sum is exact in float32 whatever its order; keys repeat (ties)
+    and spread over the whole uint32 range."""
+    from pallas_kernels.topk.select import least_key_below
+
+    r = np.random.default_rng(10 + bits_per_pass)
+    keys = r.integers(0, 2**32, (5, 40), dtype=np.uint64).astype(np.uint32)
+    keys[:, 20:30] = keys[:, :10]                                  # ties
+    keys[4] = r.integers(0, 4, 40)                                 # near zero, many ties
+    mass = r.integers(0, 4, keys.shape).astype(np.float32)          # zeros too: dead / filtered keys
+    budget = np.array([1.0, 7.0, 30.0, 200.0, 0.5], np.float32)     # 200: every t qualifies
+    got = np.asarray(jax.jit(lambda k, m, b: least_key_below(k, b, bits_per_pass, m))(keys, mass, budget))
+    for row in range(keys.shape[0]):
+        cands = np.unique(np.concatenate([[0], keys[row]]).astype(np.uint64))
+        ok = [t for t in cands if mass[row][keys[row] > t].sum() < budget[row]]
+        assert got[row] == min(ok), row
+    # counts (no masses) with a per-row budget: the k-th largest key
+    counts_t = np.asarray(least_key_below(jnp.asarray(keys), jnp.array([1, 3, 10, 40, 2]), bits_per_pass))
+    for row, k in enumerate((1, 3, 10, 40, 2)):
+        assert counts_t[row] == np.sort(keys[row])[::-1][k - 1], row
+
+
 def test_auto_selects_by_bisection_from_select_min_scores(monkeypatch):
     s = jnp.zeros((1, 4, 64))
 

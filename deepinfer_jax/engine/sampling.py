@@ -9,9 +9,10 @@ A row's sample is a function of its own logits, its own parameters and its own k
   vmap), never as one [B, V] block from a shared key, and it is indexed by token id, so filtering never
   changes which noise value a token gets;
 * top-k / top-p / min-p are computed within the row, over the order (value descending, token id
-  ascending): ties go to the lower id. The k-th value and the nucleus boundary are found by bisection on
-  the float bits (exact, 32 masked passes over the row) instead of a full sort of the 129k vocabulary
-  (XLA:CPU sorts 4 such rows in ~120 ms; the bisections take a fraction of that);
+  ascending): ties go to the lower id. The k-th value and the nucleus boundary are found by a search on
+  the float bits (exact; 16 masked passes over the row, each summing three thresholds' counts or masses)
+  instead of a full sort of the 129k vocabulary (XLA:CPU sorts 4 such rows in ~120 ms; the searches take
+  a fraction of that);
 * the pick is Gumbel-max over the kept tokens; greedy (temperature 0) is the argmax (ties: lower id).
 
 Reported logprobs are the model's own distribution: ``log_softmax`` of the raw logits over the ids the
@@ -173,29 +174,31 @@ def row_keys(engine_key: jax.Array, seeds_b2: jax.Array, positions_b: jax.Array)
 
 
 def _unrolled_search() -> bool:
-    """The bisections unrolled: on a GPU backend (decided at trace time, like Numerics.sinkhorn_unroll).
-    Measured there (H200 12-layer slice, B=64, a step in the profiler): 64 of the step's 66 device-to-host
-    copies were these loops' predicates."""
+    """The threshold searches without control flow: on a GPU backend (decided at trace time, like
+    Numerics.sinkhorn_unroll). Measured there (H200 12-layer slice, B=64, a step in the profiler): 64 of
+    the step's 66 device-to-host copies were the earlier bisection loops' predicates."""
     return jax.default_backend() == "gpu"
 
 
-def _least_key(holds, n_rows: int, n_steps: jax.Array | None) -> jax.Array:
-    """uint32[B]: per row, the smallest t with holds(t) (holds: uint32[B] -> bool[B], monotone false ...
-    true and true at 2**32 - 1), by bisection: 32 steps, each one masked pass over the rows. n_steps is
-    32, or 0 to skip the search when no row needs it (the results are then unused); None runs the 32
-    steps unrolled, with no loop at all (the GPU form: there, each while iteration's predicate is a
-    device-to-host round trip that also stops the host from queueing the next step)."""
+# Two bits a pass: 16 passes of three masked sums instead of 32 of one (the indexer's top-k measured
+# 1.59 ms at two bits against 2.11 at one on the H200, pallas_kernels/topk/select.py).
+SEARCH_BITS = 2
 
-    def step(state):
-        i, lo, hi = state
-        mid = lo + (hi - lo) // 2
-        ok = holds(mid)
-        return i + 1, jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    start = (jnp.int32(0), jnp.zeros(n_rows, jnp.uint32), jnp.full(n_rows, 0xFFFFFFFF, jnp.uint32))
-    if n_steps is None:
-        return jax.lax.fori_loop(0, 32, lambda _, s: step(s), start, unroll=True)[2]
-    return jax.lax.while_loop(lambda s: s[0] < n_steps, step, start)[2]
+def _least_key_below(key_bv, mass_bv, budget_b, run: jax.Array | None) -> jax.Array:
+    """uint32[B]: per row, the smallest t with sum(mass[key > t]) < budget (``select.least_key_below``;
+    mass None counts keys). run: None runs the passes unconditionally, with no control flow at all (the
+    GPU form: there a loop's or a conditional's predicate is a device-to-host round trip that also stops
+    the host from queueing the next step); a traced bool skips them when False (the results are then
+    unused)."""
+    from pallas_kernels.topk.select import least_key_below
+
+    def search():
+        return least_key_below(key_bv, budget_b, SEARCH_BITS, mass_bv)
+
+    if run is None:
+        return search()
+    return jax.lax.cond(run, search, lambda: jnp.zeros(key_bv.shape[:1], jnp.uint32))
 
 
 def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):
@@ -212,20 +215,20 @@ def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):
     return above | (tie & (before + tie_rank * tie_mass < budget_b[:, None]))
 
 
-def _filter_keep(xs_bv, alive_bv, top_k_b, top_p_b, min_p_b, n_steps):
+def _filter_keep(xs_bv, alive_bv, top_k_b, top_p_b, min_p_b, run):
     """bool[B, V]: per row, the tokens top-k, then top-p (renormalised over the top-k set), then min-p
-    keep. Row-local: every reduction is over one row's vocabulary."""
+    keep. Row-local: every reduction is over one row's vocabulary. run: as ``_least_key_below``."""
     b, v = xs_bv.shape
     key = _order_key(xs_bv)
-    k_eff = jnp.where(top_k_b > 0, top_k_b, v).astype(jnp.float32)
-    t_k = _least_key(lambda t: jnp.sum(jnp.where(alive_bv & (key > t[:, None]), 1.0, 0.0), axis=-1) < k_eff,
-                     b, n_steps)
+    k_eff = jnp.where(top_k_b > 0, top_k_b, v)
+    # dead tokens get key 0, which is above no threshold: integer counts of the alive keys above t
+    t_k = _least_key_below(jnp.where(alive_bv, key, jnp.uint32(0)), None, k_eff, run)
+    k_eff = k_eff.astype(jnp.float32)
     keep = _first_n_of_ties(key, alive_bv, t_k, jnp.ones_like(xs_bv), k_eff)
     z = jnp.where(keep, xs_bv, -jnp.inf)
     q = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
     q = q / jnp.sum(q, axis=-1, keepdims=True)
-    t_p = _least_key(lambda t: jnp.sum(jnp.where(keep & (key > t[:, None]), q, 0.0), axis=-1) < top_p_b,
-                     b, n_steps)
+    t_p = _least_key_below(key, jnp.where(keep, q, 0.0), top_p_b, run)
     keep = jnp.where((top_p_b < 1.0)[:, None], _first_n_of_ties(key, keep, t_p, q, top_p_b), keep)
     return keep & (q >= min_p_b[:, None] * jnp.max(q, axis=-1, keepdims=True))
 
@@ -285,12 +288,12 @@ def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_
     alive_bv = xs_bv > -jnp.inf
     filtering = (rows["top_k"] > 0) | (rows["top_p"] < 1.0) | (rows["min_p"] > 0.0)
 
-    # The two bisections cost 64 masked passes; off the GPU they run only when some row filters. Rows
-    # that do not filter keep every alive token whatever the searches did, and a filtering row always
-    # gets all 32 steps, so the batch-level switch changes speed only, never a row's result. On the GPU
-    # the steps always run, unrolled: a loop's 64 predicates cost more than the passes (_unrolled_search).
-    n_steps = None if _unrolled_search() else jnp.where(jnp.any(filtering & ~greedy), 32, 0)
-    keep_f = _filter_keep(xs_bv, alive_bv, rows["top_k"], rows["top_p"], rows["min_p"], n_steps)
+    # The two threshold searches cost 32 masked passes; off the GPU they run only when some row filters.
+    # Rows that do not filter keep every alive token whatever the searches did, and a filtering row always
+    # gets every pass, so the batch-level switch changes speed only, never a row's result. On the GPU the
+    # passes always run, with no conditional: its predicate costs more than the passes (_unrolled_search).
+    run = None if _unrolled_search() else jnp.any(filtering & ~greedy)
+    keep_f = _filter_keep(xs_bv, alive_bv, rows["top_k"], rows["top_p"], rows["min_p"], run)
     keep_bv = jnp.where(filtering[:, None], keep_f, True) & alive_bv
     gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (logits_bv.shape[1],), jnp.float32))(keys_b)
     # Materialise the noise: fused into the argmax's reduction loop, XLA:CPU runs threefry + log ~4x slower.

@@ -44,19 +44,34 @@ def order_key(x_v: jax.Array) -> jax.Array:
 
 def kth_largest_key(key_rs: jax.Array, k: jax.Array, bits_per_pass: int) -> jax.Array:
     """key_rs uint32 [R, S], k >= 1 -> uint32 [R]: per row, the least t with fewer than k keys above it
-    (the k-th largest key when k <= S). Each pass narrows t's range 2**bits_per_pass-fold: one variadic
-    reduce counts the keys above every sub-range's top, so the row is read once a pass. The counts are
-    integers, so any pass width finds the same t."""
+    (the k-th largest key when k <= S)."""
+    return least_key_below(key_rs, k, bits_per_pass)
+
+
+def least_key_below(key_rs: jax.Array, budget: jax.Array, bits_per_pass: int,
+                    mass_rs: jax.Array | None = None) -> jax.Array:
+    """uint32 [R]: per row, the least t whose mass above it, sum(mass[key > t]), is below ``budget``
+    (scalar or [R]); mass is 1 per key when None (integer counts), else a non-negative [R, S] array.
+    Each pass narrows t's range 2**bits_per_pass-fold: one variadic reduce sums the mass above every
+    sub-range's top, so the row is read once a pass. The mass above t can only fall as t grows (with
+    float masses too: zeroing a term of a fixed-order sum of non-negative terms cannot raise it), so
+    every pass width finds the same t as a one-bit bisection that evaluates the same sums."""
     if 32 % bits_per_pass:
         raise ValueError(f"bits_per_pass={bits_per_pass} must divide 32")
     n = (1 << bits_per_pass) - 1
+    budget = jnp.broadcast_to(jnp.asarray(budget), key_rs.shape[:1])
+    if mass_rs is None:
+        terms = lambda top: (key_rs > top[:, None]).astype(jnp.int32)                      # noqa: E731
+    else:
+        terms = lambda top: jnp.where(key_rs > top[:, None], mass_rs, jnp.zeros((), mass_rs.dtype))  # noqa: E731
+    zero = jnp.zeros((), jnp.int32 if mass_rs is None else mass_rs.dtype)
     lo = jnp.zeros(key_rs.shape[0], jnp.uint32)   # t lies in [lo, lo + 2**(shift + bits_per_pass) - 1]
     for shift in range(32 - bits_per_pass, -1, -bits_per_pass):
         tops = [lo + jnp.uint32(((j + 1) << shift) - 1) for j in range(n)]
-        counts = jax.lax.reduce(tuple((key_rs > top[:, None]).astype(jnp.int32) for top in tops),
-                                (jnp.int32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
-        # the sub-ranges whose top still has k or more keys above it lie below t
-        below = sum((c >= k).astype(jnp.uint32) for c in counts)
+        sums = jax.lax.reduce(tuple(terms(top) for top in tops), (zero,) * n,
+                              lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+        # the sub-ranges whose top still has the budget or more above it lie below t
+        below = sum((c >= budget).astype(jnp.uint32) for c in sums)
         lo = lo + (below << shift)
     return lo
 
