@@ -239,11 +239,24 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
         mp.setattr(moe_module, "_routed_experts_tiled", lambda *a: tiled_calls.append(1) or real(*a))
         got_routed = jax.block_until_ready(jax.jit(
             lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq), 32))(x.reshape(5, 128)))
-    assert tiled_calls == [1]
-    # One tile plan for w1, w3 and w2 gives each row the bits of a plan per GEMM.
+        # the swiglu on every padded row instead of the routed ones (here 128 padded rows for 10 routed)
+        mp.setattr(moe_module, "ROUTED_SWIGLU_PADDING", 1e9)
+        got_padded = jax.block_until_ready(jax.jit(
+            lambda xm: routed_experts(p["experts"], xm, ids, w, 10.0, _mode("interpret", nq), 32))(x.reshape(5, 128)))
+    assert tiled_calls == [1, 1]
+    # One tile plan for w1, w3 and w2 gives each row the bits of a plan per GEMM, either swiglu form.
     per_gemm = jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(
         p["experts"], xm, ids, w, 10.0, nq, 32, "interpret", tiled=False))(x.reshape(5, 128)))
     assert np.array_equal(np.asarray(got_routed), np.asarray(per_gemm))
+    assert np.array_equal(np.asarray(got_padded), np.asarray(per_gemm))
+    # ... also with the FP8 activation quantizer in front of w2 (per row and 32-column block)
+    nq8 = Numerics("bfloat16", True, False)
+    tiled8 = jax.jit(lambda xm: moe_module.routed_experts_grouped(p["experts"], xm, ids, w, 10.0, nq8, 32,
+                                                                  "interpret"))(x.reshape(5, 128))
+    per_gemm8 = jax.jit(lambda xm: moe_module.routed_experts_grouped(p["experts"], xm, ids, w, 10.0, nq8, 32,
+                                                                     "interpret", tiled=False))(x.reshape(5, 128))
+    assert np.array_equal(np.asarray(tiled8), np.asarray(per_gemm8))
+    assert not np.array_equal(np.asarray(tiled8), np.asarray(per_gemm))   # the quantizer did something
     ops_routed = routed_experts(p["experts"], x.reshape(5, 128), ids, w, 10.0, _mode("ops", nq), 32)
     gather = routed_experts_gather(p["experts"], x.reshape(5, 128), ids, w, 10.0, nq, 32)
     tol = _routed_tol(p["experts"], x.reshape(5, 128), ids, w, 10.0)

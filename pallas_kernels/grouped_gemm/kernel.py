@@ -395,8 +395,13 @@ def _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared: bool, confi
 
 
 def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
-    """x's columns in the order the kernel decodes FP4 weights (``fp4_k_permutation``); as is otherwise."""
-    return jnp.take(x_mk, fp4_k_permutation(x_mk.shape[1]), axis=1) if fp4 else x_mk
+    """x's columns in the order the kernel decodes FP4 weights (``fp4_k_permutation``); as is otherwise.
+    A transpose inside each 32-column block (elements [16, 2] -> [2, 16]), not a gather: XLA gave the
+    gather form a column-major result, which the following row gather then read across."""
+    if not fp4:
+        return x_mk
+    m, k = x_mk.shape
+    return x_mk.reshape(m, k // SCALE_BLOCK, _HALF, 2).swapaxes(-1, -2).reshape(m, k)
 
 
 # ---- the op in three parts, for callers that chain GEMMs on the same rows (an expert FFN) -------------
