@@ -116,3 +116,22 @@ def test_every_site_of_the_v41_forward_uses_32(monkeypatch, tiny_params, tiny_cf
 def test_a_row_longer_than_a_block_must_divide():
     with pytest.raises(ValueError, match="neither a multiple"):
         act_quant(jnp.ones((1, 192)), FQ_ONLY, 128)
+
+
+@pytest.mark.parametrize("block", [32, 16, 128, 24, 1])
+def test_block_amax_is_the_reduce_bit_for_bit(block):
+    """block_amax (the quantizers' per-block max |x|, a halving tree of elementwise maxima) gives a max
+    reduce's bits: signed zeros, infinities, NaN, subnormals; 24 takes the reduce itself (not a power
+    of two)."""
+    from deepinfer_jax.model.numerics import block_amax
+
+    r = np.random.default_rng(block)
+    x = (r.standard_normal((6, 5, block)) * 10.0 ** r.integers(-40, 38, (6, 5, block))).astype(np.float32)
+    x[0, 0] = -0.0
+    x[1, 1, 0] = -np.inf
+    x[2, 2, -1] = np.nan
+    x[3, 3] = np.float32(1e-45)                        # subnormals only
+    got = np.asarray(jax.jit(block_amax)(jnp.asarray(x)))
+    want = np.asarray(jnp.max(jnp.abs(jnp.asarray(x)), axis=-1, keepdims=True))
+    assert got.shape == want.shape == (6, 5, 1)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

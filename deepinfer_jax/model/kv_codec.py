@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.numerics import FP4_MAX, FP8_MAX, fp4_e4m3_scale, fp4_pow2_scale, fp8_scale
+from deepinfer_jax.model.numerics import FP4_MAX, FP8_MAX, block_amax, fp4_e4m3_scale, fp4_pow2_scale, fp8_scale
 from deepinfer_jax.model.v4_quant import kv_block
 
 _E2M1 = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
@@ -116,7 +116,7 @@ def encode(layout: Layout, x: jax.Array, quantized: bool, act_dtype) -> dict:
     q = x.shape[-1]
     block = layout.block
     xb = x.astype(jnp.float32).reshape(*lead, q // block, block)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    amax = block_amax(xb)
     if layout.values == "fp8":
         s = fp8_scale(amax)
         out["values"] = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).reshape(*lead, q)
