@@ -565,11 +565,16 @@ _SWEEP_ROUNDS = {
     # since) vs the y^T tile through shared memory and TMA. The op times include the un-permute: a row
     # gather for the first config of each case, the compaction + transpose or transposed gather for the
     # second. Predicted: kernels within 2 %, the op 0.1-0.3 ms faster per call (the un-permute of y^T
-    # cost 1.2 ms a decode step of 12 w2 calls, 77 ms of the 32k prefill's 192 layer-chunks).
+    # cost 1.2 ms a decode step of 12 w2 calls, 77 ms of the 32k prefill's 192 layer-chunks). The third
+    # config spends the shared memory the y^T tile held (64-128 KB at these tiles) on deeper TMA rings
+    # (``fit`` trims the stages to what fits): the chunk GEMMs run at ~2.5x their weight-read time.
     "7": tuple(
-        (WeightFormat.FP4, phase, tokens, (_cfg(*tiles, **_PS), _cfg(*tiles, **_PS, out_rows=False)))
-        for phase, tokens, tiles in (("decode", 64, (16, 256, 128, 8)), ("chunk", 2048, (64, 256, 128, 4)),
-                                     ("chunk", 4096, (64, 256, 128, 4)), ("prefill", 32768, (128, 256, 64, 3)))
+        (WeightFormat.FP4, phase, tokens, (_cfg(*tiles, **_PS), _cfg(*tiles, **_PS, out_rows=False),
+                                           _cfg(*tiles[:3], deeper, **_PS)))
+        for phase, tokens, tiles, deeper in (("decode", 64, (16, 256, 128, 8), 10),
+                                             ("chunk", 2048, (64, 256, 128, 4), 6),
+                                             ("chunk", 4096, (64, 256, 128, 4), 6),
+                                             ("prefill", 32768, (128, 256, 64, 3), 8))
     ),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
