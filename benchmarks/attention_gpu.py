@@ -328,7 +328,10 @@ FP4_CONFIGS = {"fp4/split320": SparseAttentionConfig(320), "fp4/split640": Spars
                "fp4/split320/c": SparseAttentionConfig(320, row_issue="cp_async"),
                "fp4/split640/c": SparseAttentionConfig(640, row_issue="cp_async"),
                "fp4/split320/pv64": SparseAttentionConfig(320, pv_cols=64),
-               "fp4/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True)}
+               "fp4/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
+               # the earlier float-polynomial row decoder ("bits", the default since 2026-12-05, decodes
+               # by float16 bit placement: same values)
+               "fp4/split320/arith": SparseAttentionConfig(320, fp4_dequant="arith")}
 
 
 def make_fp4_problem(key, rng, b, n, invalid_frac=0.0):
@@ -430,7 +433,7 @@ def main():
     ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
                     help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2|/w|/c]")
     # Each FP4 kernel shape compiles in ~15-30 s on the H200; the default pair keeps the section near 4 minutes.
-    ap.add_argument("--fp4-impls", default="fp4/split320,bf16-decoded/kernel")
+    ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split320/arith,bf16-decoded/kernel")
     ap.add_argument("--fp4-contexts", default="8192,32768,131072")
     args = ap.parse_args()
     dev = jax.devices()[0]

@@ -297,10 +297,31 @@ def test_fp4_shape_limits_and_errors():
                                          jnp.asarray(cidx[0]), sink, 0.1)
 
 
+def test_fp4_bits_decoder_gives_the_arith_values_for_every_byte_and_scale():
+    """The FP4 variant's two row decoders ("bits": float16 bit placement with the 2^14 moved into the
+    scale; "arith": the float polynomial), written with the kernel's own helpers, over every packed byte
+    and every E4M3 scale byte (subnormals, the largest, NaN): the same bf16 values, bit for bit. The
+    kernel itself runs only on a GPU (the interpreter hangs on it), so this is the CPU check of the
+    arithmetic that its fp4_dequant switch changes."""
+    from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
+
+    q8 = jnp.arange(256, dtype=jnp.int32)[None, :]                                    # [1, byte]
+    sc = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    sc = sc.astype(jnp.float16).astype(jnp.float32)[:, None]                          # [scale, 1]
+    arith = jnp.concatenate([_fp4_nibble_to_f32(q8 & 15), _fp4_nibble_to_f32(q8 >> 4)], axis=1) * sc
+    bits = _f16_bits_to_f32(jnp.concatenate(_fp4_bytes_to_f16_bits(q8), axis=1)) * (sc * 16384.0)
+    a16, b16 = (np.asarray(v.astype(jnp.bfloat16)).view(np.uint16) for v in (arith, bits))
+    nan = np.isnan(np.asarray(arith))
+    assert nan.sum() == 2 * 2 * 256 and np.array_equal(nan, np.isnan(np.asarray(bits)))  # the two NaN scales
+    assert np.array_equal(a16[~nan], b16[~nan])
+    assert np.asarray(arith)[~nan].max() == 6 * 448 and np.asarray(arith)[~nan].min() == -6 * 448   # a real range
+
+
 @pytest.mark.parametrize("cfg", [SparseAttentionConfig(320), SparseAttentionConfig(640),
                                  SparseAttentionConfig(320, no_auto_barriers=True),
                                  SparseAttentionConfig(320, row_issue="warps"),
-                                 SparseAttentionConfig(320, row_issue="cp_async")])
+                                 SparseAttentionConfig(320, row_issue="cp_async"),
+                                 SparseAttentionConfig(320, fp4_dequant="arith")])
 def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
     are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter

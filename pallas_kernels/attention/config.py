@@ -51,6 +51,11 @@ class SparseAttentionConfig:
     #: (the tensor core adds it), and GPU only: the Mosaic GPU interpreter runs no preinitialized
     #: accumulator.
     pv_in_place: bool = False
+    #: FP4 variant: how consumers decode the packed E2M1 rows. "bits" places each nibble's bits in a
+    #: float16 (value * 2^-14, the 2^14 folded into the row's scale; ~7 ALU ops a value, the grouped
+    #: GEMM's decoder); "arith" is the earlier float polynomial (~18 ops), kept for timing both. The
+    #: same bf16 values either way, so the same bits.
+    fp4_dequant: str = "bits"
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
@@ -60,6 +65,8 @@ class SparseAttentionConfig:
             raise ValueError(f"SparseAttentionConfig.producer_warpgroups={self.producer_warpgroups} must be 1 or 2")
         if self.pv_cols not in (32, 64, 128, 256):
             raise ValueError(f"SparseAttentionConfig.pv_cols={self.pv_cols} must be 32, 64, 128 or 256")
+        if self.fp4_dequant not in ("bits", "arith"):
+            raise ValueError(f"SparseAttentionConfig.fp4_dequant={self.fp4_dequant!r} must be 'bits' or 'arith'")
         if self.row_issue not in ("warpgroup", "warps", "cp_async"):
             raise ValueError(f"SparseAttentionConfig.row_issue={self.row_issue!r} must be 'warpgroup', 'warps' "
                              "or 'cp_async'")

@@ -44,7 +44,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
-from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32  # the grouped GEMM's "arith" E2M1 decode
+# the grouped GEMM's E2M1 decoders: "arith" (float polynomial) and "bits" (float16 bit placement)
+from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
 from pallas_kernels.attention import cp_async
 from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
@@ -61,7 +62,7 @@ _WARPS = 4        # per warpgroup
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
            scale: float, n_producers: int, win_blocks: int | None = None, groups: int = 1,
            no_auto_barriers: bool = False, row_issue: str = "warpgroup", pv_cols: int = 128,
-           pv_in_place: bool = False):
+           pv_in_place: bool = False, fp4_dequant: str = "bits"):
     """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64];
     with ``win_blocks`` (FP4 mode) also values [B, N, D/2] uint8 and the per-query gathered scales
     [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
@@ -91,12 +92,17 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         """[64, 32] bf16 of kernel columns [32cc, 32cc + 32): two scale groups, evens then odds each."""
         pieces = []
         for grp in (2 * cc, 2 * cc + 1):
-            sc = plgpu.load(fscale.at[grp], layout=row_layout, optimized=False)
-            sc = lax.broadcast_in_dim(sc.astype(jnp.float16).astype(jnp.float32), (BLOCK_ROWS, _FP4_GROUP), [0])
+            sc = plgpu.load(fscale.at[grp], layout=row_layout, optimized=False).astype(jnp.float16).astype(jnp.float32)
             q8 = plgpu.load(fstage.at[:, pl.ds(grp * group_bytes, group_bytes)], layout=plgpu.Layout.WGMMA,
                             optimized=False).astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
-            vals = jnp.concatenate([_fp4_nibble_to_f32(q8 & 15), _fp4_nibble_to_f32(q8 >> 4)], axis=1)
-            pieces.append(vals * sc)
+            if fp4_dequant == "bits":
+                # value * 2^-14 from the bits, times scale * 2^14: both products exact (an E2M1 value has
+                # 2 significant bits, an E4M3 scale 4, far from float32's range ends), so the same values
+                vals = _f16_bits_to_f32(jnp.concatenate(_fp4_bytes_to_f16_bits(q8), axis=1))
+                sc = sc * 16384.0
+            else:
+                vals = jnp.concatenate([_fp4_nibble_to_f32(q8 & 15), _fp4_nibble_to_f32(q8 >> 4)], axis=1)
+            pieces.append(vals * lax.broadcast_in_dim(sc, (BLOCK_ROWS, _FP4_GROUP), [0]))
         return jnp.concatenate(pieces, axis=1).astype(jnp.bfloat16)
 
     def body(q_ref, kv_ref, idx_ref, sink_ref, *rest):
@@ -476,6 +482,7 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale), 1,
                   win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers,
-                  row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place)
+                  row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place,
+                  fp4_dequant=config.fp4_dequant)
     outs = call(q, win_kv_bsd[..., order], idx, sink, comp_values_bnc, cs)
     return _outputs(outs, sink, q_bthd.shape)[..., jnp.argsort(order)]
