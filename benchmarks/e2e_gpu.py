@@ -547,6 +547,15 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
     return rows
 
 
+def with_y_transposed() -> None:
+    """Every expert GEMM config the model picks, with the kernel's earlier y^T output (a benchmark-only
+    switch: the library's choice stays ``tuned_config``'s)."""
+    from deepinfer_jax.model import moe
+
+    tile_config = moe._tile_config
+    moe._tile_config = lambda *a: dataclasses.replace(tile_config(*a), out_rows=False)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -565,6 +574,9 @@ def main(argv=None):
     ap.add_argument("--sinkhorn-segment-rows", default="default",
                     help="Numerics.sinkhorn_segment_rows for every section: an int (1: decode too), 'none', or "
                     "'default' (the engine's: prefill chunks only)")
+    ap.add_argument("--y-transposed", action="store_true",
+                    help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
+                         "an A/B of NOTES item -13(a) in the model")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -600,6 +612,9 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, kernels=args.kernels)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
+    if args.y_transposed:
+        with_y_transposed()
+    RESULTS["grouped_gemm_out_rows"] = not args.y_transposed
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     if experts_run_kernel(numerics):     # as the engine (LLM) does at load on the GPU path
