@@ -81,7 +81,8 @@ def test_mhc_unrolled_sinkhorn_at_prefill_sizes_is_cut_into_segments_with_the_sa
     import jax
 
     r = rng(6)
-    rows = Numerics().sinkhorn_segment_rows
+    assert Numerics().sinkhorn_segment_rows == 1       # the default cuts every size, decode's 1-row calls too
+    rows = 24                                           # the threshold, on a size of its own
     x = jnp.asarray(r.standard_normal((1, rows, 4, 16)), jnp.float32)
     fn = jnp.asarray(r.standard_normal((24, 64)) / 8, jnp.float32)
     base, scale = jnp.asarray(r.standard_normal(24), jnp.float32), jnp.asarray(r.standard_normal(3), jnp.float32)

@@ -42,8 +42,9 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Ar
 # H200 on a CPU (jax 0.12, deviceless), one `mixes` took 4.1-5.1 s at 64 x 1, 1024 and 4096 rows (1.2 s
 # at 2048, where XLA fused less), and the 12-layer slice's prefill program 33 s at a 2048-token chunk
 # but 113 s at 4096 (benchmarks/NOTES.md). Barriers every few rounds bound each chain (~1.3-2.3 s a call
-# at any row count) for ~17-25 more kernels a call: nothing beside a prefill chunk, but 24 calls a
-# decode step, so decode keeps one chain by default (``Numerics.sinkhorn_segment_rows``).
+# at any row count) for ~17-25 more kernels a call. A decode step makes 24 calls, so decode kept one
+# chain until the H200 compiled the slice's B=64 step for over 470 s that way (2026-12-05); now every
+# size is cut by default (``Numerics.sinkhorn_segment_rows``).
 SINKHORN_SEGMENT_ROUNDS = 5
 
 

@@ -56,7 +56,9 @@ class Numerics:
     # From this many rows (B * T) the unrolled rounds are cut into segments by barriers (mhc.py says
     # why: XLA's GPU fusion pass compiled one 19-round chain slowly, 113 s for the slice's chunk-4096
     # prefill program against 41 s cut). None: one chain at every size. Same arithmetic either way.
-    sinkhorn_segment_rows: int | None = 512
+    # 1 = every size, decode too: on the H200 (2026-12-05) the slice's B=64 decode step with one chain
+    # per call did not finish compiling in 470 s (548 s deviceless on the CPU machine; 68 s cut).
+    sinkhorn_segment_rows: int | None = 1
     # mHC's stream-mix dots on the bf16 stream with fn split into three bf16 parts (mhc.stream_dot):
     # exact products, fp32 accumulation, on the tensor cores instead of an fp32 GEMM at HIGHEST. None =
     # on a GPU backend only: XLA:CPU's bf16 dot gave a row other bits when the row count changed (the
