@@ -572,8 +572,8 @@ def main(argv=None):
     ap.add_argument("--kernels", default=None, help='Numerics.kernels for every section, e.g. "indexer=pallas" '
                     "(default: the engine's automatic choice)")
     ap.add_argument("--sinkhorn-segment-rows", default="default",
-                    help="Numerics.sinkhorn_segment_rows for every section: an int (1: decode too), 'none', or "
-                    "'default' (the engine's: prefill chunks only)")
+                    help="Numerics.sinkhorn_segment_rows for every section: an int (512: prefill chunks only), 'none' "
+                    "(one chain everywhere), or 'default' (the engine's: every size)")
     ap.add_argument("--y-transposed", action="store_true",
                     help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
                          "an A/B of NOTES item -13(a) in the model")

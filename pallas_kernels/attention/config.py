@@ -52,8 +52,8 @@ class SparseAttentionConfig:
     #: accumulator.
     pv_in_place: bool = False
     #: FP4 variant: how consumers decode the packed E2M1 rows. "bits" places each nibble's bits in a
-    #: float16 (value * 2^-14, the 2^14 folded into the row's scale; ~7 ALU ops a value, the grouped
-    #: GEMM's decoder); "arith" is the earlier float polynomial (~18 ops), kept for timing both. The
+    #: float16 (value * 2^-14, the 2^14 folded into the row's scale; ~9 ALU ops a value, the grouped
+    #: GEMM's decoder); "arith" is the earlier float polynomial (~16 ops), kept for timing both. The
     #: same bf16 values either way, so the same bits.
     fp4_dequant: str = "bits"
 
