@@ -28,7 +28,7 @@ def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS
     reachable = key > _NEG_INF_KEY
     need = jnp.int32(k)
     rows = key.reshape(-1, key.shape[-1])
-    t = kth_largest_key(rows, need, bits_per_pass).reshape(*key.shape[:-1], 1)
+    t = least_key_below(rows, need, bits_per_pass).reshape(*key.shape[:-1], 1)   # the k-th largest key
     above = key > t
     tie = key == t
     room = need - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
@@ -42,16 +42,11 @@ def order_key(x_v: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def kth_largest_key(key_rs: jax.Array, k: jax.Array, bits_per_pass: int) -> jax.Array:
-    """key_rs uint32 [R, S], k >= 1 -> uint32 [R]: per row, the least t with fewer than k keys above it
-    (the k-th largest key when k <= S)."""
-    return least_key_below(key_rs, k, bits_per_pass)
-
-
 def least_key_below(key_rs: jax.Array, budget: jax.Array, bits_per_pass: int,
                     mass_rs: jax.Array | None = None) -> jax.Array:
-    """uint32 [R]: per row, the least t whose mass above it, sum(mass[key > t]), is below ``budget``
-    (scalar or [R]); mass is 1 per key when None (integer counts), else a non-negative [R, S] array.
+    """key_rs uint32 [R, S] -> uint32 [R]: per row, the least t whose mass above it, sum(mass[key > t]),
+    is below ``budget`` (scalar or [R]); mass is 1 per key when None (integer counts: with budget k, the
+    k-th largest key when k <= S), else a non-negative [R, S] array.
     Each pass narrows t's range 2**bits_per_pass-fold: one variadic reduce sums the mass above every
     sub-range's top, so the row is read once a pass. The mass above t can only fall as t grows (with
     float masses too: zeroing a term of a fixed-order sum of non-negative terms cannot raise it), so
