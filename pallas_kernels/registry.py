@@ -134,6 +134,10 @@ REGISTRY: Mapping[str, OpSpec] = MappingProxyType({
         Impl(XLA, "pallas_kernels.indexer:index_scores_xla"),
         Impl(REFERENCE, "pallas_kernels.indexer:index_scores_reference", auto=False),
     )),
+    "sinkhorn_rounds": OpSpec("sinkhorn_rounds", (
+        _pallas_gpu("pallas_kernels.sinkhorn:sinkhorn_rounds_pallas"),
+        Impl(XLA, "pallas_kernels.sinkhorn:sinkhorn_rounds_xla"),
+    )),
     "topk_indices": OpSpec("topk_indices", (
         Impl(XLA, "pallas_kernels.topk:topk_indices_xla"),
         Impl(REFERENCE, "pallas_kernels.topk:topk_indices_reference", auto=False),

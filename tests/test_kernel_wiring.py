@@ -410,3 +410,27 @@ def test_gpu_forms_of_mhc_run_the_tiny_model_within_bf16_tolerance(tiny_params, 
     # the brief's bf16-path tolerance, 1e-2 of the logit scale (on this model the logits came out equal)
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     assert np.abs(want).max() > 1.0
+
+
+
+def test_mhc_mixes_through_the_sinkhorn_kernel_in_gpu_interpreter():
+    """mHC's Sinkhorn rounds by the Mosaic GPU kernel (the Hopper default, ``kernels`` "sinkhorn") in
+    the interpreter, and by the op's XLA fallback ("ops"), against the CPU's XLA loop: the rounds'
+    order of operations differs (tests/test_sinkhorn_kernel.py), so comb agrees to a few fp32 ulps and
+    pre / post are the same values. (A whole tiny-model run in the interpreter needs over 24 GiB.)"""
+    from deepinfer_jax.model import mhc
+
+    assert kernel_route(Numerics(), "sinkhorn", "sinkhorn_rounds", None) == ("model", None)     # CPU: XLA
+    assert kernel_route(_mode("ops"), "sinkhorn", "sinkhorn_rounds", None) == ("op", "xla")
+    r = np.random.default_rng(9)
+    x = jnp.asarray(r.standard_normal((2, 70, 4, 64)), jnp.bfloat16)
+    fn = jnp.asarray(r.standard_normal((24, 256)) / 8, jnp.float32)
+    base, scale = jnp.asarray(r.standard_normal(24), jnp.float32), jnp.asarray(r.standard_normal(3), jnp.float32)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+    want = mhc.mixes(x, fn, base, scale, **kw)
+    for impl in ("interpret", "xla"):
+        got = mhc.mixes(x, fn, base, scale, sinkhorn_impl=impl, **kw)
+        assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        # entries in [0, 1]: 1e-6 is ~8 ulp of 1.0 (the bound tests/test_sinkhorn_kernel.py justifies)
+        assert np.abs(np.asarray(got[2]) - np.asarray(want[2])).max() < 1e-6

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sinkhorn import SEGMENT_ROUNDS, sinkhorn_rounds, sinkhorn_rounds_xla
+
 
 def split_bf16x3(w: jax.Array) -> jax.Array:
     """fp32 w [..., M, K] -> bf16 [..., 3 * M, K]: hi, mid and lo parts, each the bf16 rounding of what
@@ -37,25 +39,21 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Ar
     return (parts[..., 2 * m:] + parts[..., m:2 * m]) + parts[..., :m]
 
 
-# XLA's GPU fusion pass prices every candidate fusion with a symbolic tiling search. Unrolled, the
-# 19 Sinkhorn rounds form one candidate chain, and for some shapes that search is slow: compiled for the
-# H200 on a CPU (jax 0.12, deviceless), one `mixes` took 4.1-5.1 s at 64 x 1, 1024 and 4096 rows (1.2 s
-# at 2048, where XLA fused less), and the 12-layer slice's prefill program 33 s at a 2048-token chunk
-# but 113 s at 4096 (benchmarks/NOTES.md). Barriers every few rounds bound each chain (~1.3-2.3 s a call
-# at any row count) for ~17-25 more kernels a call. A decode step makes 24 calls, so decode kept one
-# chain until the H200 compiled the slice's B=64 step for over 470 s that way (2026-12-05); now every
-# size is cut by default (``Numerics.sinkhorn_segment_rows``).
-SINKHORN_SEGMENT_ROUNDS = 5
+# The XLA form's segment length (kept here for the tests and scripts that name it).
+SINKHORN_SEGMENT_ROUNDS = SEGMENT_ROUNDS
 
 
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
           hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
-          bf16_dot: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+          bf16_dot: bool = False, sinkhorn_impl: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
-    unroll: the Sinkhorn rounds unrolled (no while loop; ``Numerics.sinkhorn_unroll``). segment_rows:
-    from this many rows B*T the unrolled rounds are cut into segments of SINKHORN_SEGMENT_ROUNDS
-    (``Numerics.sinkhorn_segment_rows``; None: never). bf16_dot: ``stream_dot``'s bf16 form."""
+    sinkhorn_impl: who runs the Sinkhorn rounds: None = the model's XLA code below, else the
+    ``pallas_kernels.sinkhorn`` op with that implementation ("interpret": the Mosaic GPU kernel in the
+    interpreter). For the XLA code: unroll, the rounds unrolled (no while loop;
+    ``Numerics.sinkhorn_unroll``); segment_rows, from this many rows B*T the unrolled rounds are cut
+    into segments of SINKHORN_SEGMENT_ROUNDS (``Numerics.sinkhorn_segment_rows``; None: never).
+    bf16_dot: ``stream_dot``'s bf16 form."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
     m = stream_dot(x_bthd.reshape(b, t, hc * d), fn, bf16_dot)
@@ -66,19 +64,20 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
 
-    def sinkhorn_round(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    rounds = sinkhorn_iters - 1
+    if sinkhorn_impl is None:
+        cut = segment_rows is not None and b * t >= segment_rows
+        return pre, post, sinkhorn_rounds_xla(comb, rounds=rounds, eps=hc_eps, unroll=unroll,
+                                              segment=SINKHORN_SEGMENT_ROUNDS if cut else None)
+    if sinkhorn_impl == "interpret":
+        from pallas_kernels.interpret import gpu_interpreter
+        from pallas_kernels.sinkhorn.kernel import sinkhorn_rounds_pallas
 
-    if not unroll:   # a loop: same arithmetic, a much smaller graph to compile
-        return pre, post, jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_round, comb)
-    cut = segment_rows is not None and b * t >= segment_rows
-    segment = SINKHORN_SEGMENT_ROUNDS if cut else sinkhorn_iters
-    for i in range(sinkhorn_iters - 1):
-        if i and i % segment == 0:
-            comb = jax.lax.optimization_barrier(comb)
-        comb = sinkhorn_round(i, comb)
-    return pre, post, comb
+        with gpu_interpreter():
+            return pre, post, sinkhorn_rounds_pallas(comb, rounds=rounds, eps=hc_eps)
+    from pallas_kernels.registry import AUTO
+
+    return pre, post, sinkhorn_rounds(comb, rounds=rounds, eps=hc_eps, impl=sinkhorn_impl, selection=AUTO)
 
 
 def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:

@@ -19,8 +19,8 @@ kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
   fallback elsewhere): the kernels' numerics on any platform;
 * ``"pallas"``: force the Pallas kernels (``KernelUnavailableError`` where they cannot run);
 * ``"interpret"``: the Pallas kernels in the Mosaic GPU interpreter (CPU tests only; slow);
-* per op: ``"attention=pallas,experts=xla"`` (ops ``attention``, ``experts`` and ``indexer``, the
-  indexer's scores at prefill; unnamed ops: auto).
+* per op: ``"attention=pallas,experts=xla"`` (ops ``attention``, ``experts``, ``indexer``, the
+  indexer's scores at prefill, and ``sinkhorn``, mHC's Sinkhorn rounds; unnamed ops: auto).
 
 The indexer's top-k has no Pallas kernel: it is always the ``pallas_kernels.topk`` op, on the XLA path
 under ``"xla"`` and on the registry's automatic choice otherwise (the XLA path on CPU and GPU, a kernel
@@ -38,7 +38,7 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
-KERNEL_OPS = ("attention", "experts", "indexer")
+KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +53,12 @@ class Numerics:
     # unrolled rounds double the tiny model's compile time on CPU and may fuse differently (1 ulp).
     # None = unrolled exactly when JAX's default backend is a GPU.
     sinkhorn_unroll: bool | None = None
-    # From this many rows (B * T) the unrolled rounds are cut into segments by barriers (mhc.py says
-    # why: XLA's GPU fusion pass compiled one 19-round chain slowly, 113 s for the slice's chunk-4096
-    # prefill program against 41 s cut). None: one chain at every size. Same arithmetic either way.
-    # 1 = every size, decode too: on the H200 (2026-12-05) the slice's B=64 decode step with one chain
-    # per call did not finish compiling in 470 s (548 s deviceless on the CPU machine; 68 s cut).
+    # For the XLA form of the rounds (on a Hopper GPU the Sinkhorn kernel runs them, ``kernels``
+    # "sinkhorn"): from this many rows (B * T) the unrolled rounds are cut into segments by barriers
+    # (pallas_kernels/sinkhorn/xla.py says why: XLA's GPU fusion pass compiled one 19-round chain
+    # slowly, 113 s for the slice's chunk-4096 prefill program against 41 s cut). None: one chain at
+    # every size. Same arithmetic either way. 1 = every size, decode too: on the H200 (2026-12-05) the
+    # slice's B=64 decode step with one chain per call did not finish compiling in 470 s.
     sinkhorn_segment_rows: int | None = 1
     # mHC's stream-mix dots on the bf16 stream with fn split into three bf16 parts (mhc.stream_dot):
     # exact products, fp32 accumulation, on the tensor cores instead of an fp32 GEMM at HIGHEST. None =

@@ -16,17 +16,19 @@ from deepinfer_jax.model.attention import attention
 from deepinfer_jax.model.linear import dot_f32
 from deepinfer_jax.model.moe import moe
 from deepinfer_jax.model.norms import rms_norm
-from deepinfer_jax.model.numerics import Numerics
+from deepinfer_jax.model.numerics import Numerics, kernel_route
+from pallas_kernels.sinkhorn import kernel_unsupported_reason as sinkhorn_unsupported
 
 __all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", "lm_head"]
 
 
 def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics):
+    route, impl = kernel_route(numerics, "sinkhorn", "sinkhorn_rounds", sinkhorn_unsupported(cfg.hc_mult))
     with jax.named_scope(f"mhc_{site}"):
         return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
                          unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows,
-                         bf16_dot=numerics.bf16_stream_dot())
+                         bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
