@@ -556,6 +556,24 @@ def with_y_transposed() -> None:
     moe._tile_config = lambda *a: dataclasses.replace(tile_config(*a), out_rows=False)
 
 
+def with_decode_block_m(block_m: int) -> None:
+    """The decode-phase expert GEMMs (``tile_phase`` "decode": a row or two per expert) with ``block_m``
+    token rows per tile instead of the tuned table's 16: a benchmark-only A/B of sweep round 7's 8-row
+    tiles (kernel 0.600 vs 0.609 ms, op 0.733 vs 0.761 at 64 x 6; any tile gives the same bits)."""
+    from deepinfer_jax.model import moe
+    from pallas_kernels.grouped_gemm.config import tile_phase
+
+    tile_config = moe._tile_config
+
+    def patched(p_lin, m_rows, numerics):
+        cfg = tile_config(p_lin, m_rows, numerics)
+        fmt = moe._expert_format(p_lin)
+        if tile_phase(m_rows, p_lin["weight"].shape[0], fmt) == "decode":
+            cfg = dataclasses.replace(cfg, block_m=block_m)
+        return cfg
+    moe._tile_config = patched
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -577,6 +595,8 @@ def main(argv=None):
     ap.add_argument("--y-transposed", action="store_true",
                     help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
                          "an A/B of NOTES item -13(a) in the model")
+    ap.add_argument("--decode-block-m", type=int, default=None,
+                    help="token rows per tile of the decode-phase expert GEMMs (default: the tuned 16); an A/B")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -615,6 +635,9 @@ def main(argv=None):
     if args.y_transposed:
         with_y_transposed()
     RESULTS["grouped_gemm_out_rows"] = not args.y_transposed
+    if args.decode_block_m:
+        with_decode_block_m(args.decode_block_m)
+    RESULTS["decode_block_m"] = args.decode_block_m
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     if experts_run_kernel(numerics):     # as the engine (LLM) does at load on the GPU path
