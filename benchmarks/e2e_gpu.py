@@ -557,9 +557,10 @@ def with_y_transposed() -> None:
 
 
 def with_decode_block_m(block_m: int) -> None:
-    """The decode-phase expert GEMMs (``tile_phase`` "decode": a row or two per expert) with ``block_m``
-    token rows per tile instead of the tuned table's 16: a benchmark-only A/B of sweep round 7's 8-row
-    tiles (kernel 0.600 vs 0.609 ms, op 0.733 vs 0.761 at 64 x 6; any tile gives the same bits)."""
+    """The decode-phase expert GEMMs (``tile_phase`` "decode": up to 12 rows per expert) with ``block_m``
+    token rows per tile instead of the tuned table's (8 below 2 rows per expert, else 16): a
+    benchmark-only A/B of the tile height (any tile gives the same bits). 8 against 16 at B=64 decided
+    the table's 8-row tiles (2026-12-05: 26.86 vs 28.76 ms/step)."""
     from deepinfer_jax.model import moe
     from pallas_kernels.grouped_gemm.config import tile_phase
 
@@ -596,7 +597,8 @@ def main(argv=None):
                     help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
                          "an A/B of NOTES item -13(a) in the model")
     ap.add_argument("--decode-block-m", type=int, default=None,
-                    help="token rows per tile of the decode-phase expert GEMMs (default: the tuned 16); an A/B")
+                    help="token rows per tile of the decode-phase expert GEMMs (default: the tuned table's, 8 "
+                    "below 2 rows per expert, else 16); an A/B")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),

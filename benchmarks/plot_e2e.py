@@ -1,6 +1,6 @@
 """Plot the e2e H200 results (benchmarks/e2e_gpu.py output) for the README.
 
-    python benchmarks/plot_e2e.py [benchmarks/results/e2e_gpu_2026-12-04d_merged.json] [docs/e2e_h200.png]
+    python benchmarks/plot_e2e.py [benchmarks/results/e2e_gpu_2026-12-05_merged.json] [docs/e2e_h200.png]
 
 Left: decode tokens/s per batch and context, annotated with the step's fewest bytes over its time as a
 fraction of the measured copy bandwidth. Right: prefill tokens/s with and without bounded replay.
@@ -36,7 +36,7 @@ def rows(results: dict, section: str) -> list[dict]:
 
 def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-04d_merged.json"
+    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-05_merged.json"
     dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "e2e_h200.png"
     res = json.loads(src.read_text())
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)

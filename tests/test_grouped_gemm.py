@@ -587,10 +587,12 @@ def test_tuned_config_fits_the_v41_expert_shapes_and_depends_on_shapes_only():
                 cfg = tuned_config(m, 384, n, k, fmt)
                 assert kernel_unsupported_reason(n, k, fmt, cfg, jnp.float32) is None, (fmt, m, n, k, cfg)
                 assert cfg == tuned_config(m, 384, n, k, fmt)
-    # decode pads each expert's one or two rows to 16, not 64; a 1024-2048-token prefill chunk (16-32
-    # rows per expert) takes 64-row tiles; long prefill gets full 128-row tiles
-    assert tuned_config(64 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 16
-    assert tuned_config(512 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 16
+    # decode pads each expert's row or two to 8 below 2 rows per expert (B=64: 1), to 16 up to 12 rows
+    # (B=512: 8), not 64; a 1024-2048-token prefill chunk (16-32 rows per expert) takes 64-row tiles;
+    # long prefill gets full 128-row tiles
+    for tokens, bm in ((1, 8), (64, 8), (127, 8), (128, 16), (512, 16)):
+        assert tuned_config(tokens * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == bm, tokens
+    assert tuned_config(64 * 6, 384, 2304, 5120, WeightFormat.FP8).block_m == 16      # FP8: not swept
     for tokens in (1024, 2048):
         cfg = tuned_config(tokens * 6, 384, 2304, 5120, WeightFormat.FP4)
         assert (cfg.block_m, cfg.block_n, cfg.persistent) == (64, 256, True)

@@ -226,6 +226,13 @@ _PREFILL_CANDIDATES = {
 _CHUNK_CANDIDATES = {
     WeightFormat.FP4: ((64, 256, 128, 4), (64, 128, 128, 6)),
 }
+# FP4 decode below this mean rows per expert (B <= ~100 tokens x 6 over 384 experts) takes 8-row tiles:
+# in the slice's B=64 decode step (1 row per expert) 26.86 ms/step against 28.76 with 16-row tiles
+# (2026-12-05, e2e_gpu.py --decode-block-m 8; op 0.733 vs 0.761 ms at 64 x 6 in sweep round 7). At 8
+# rows per expert 16-row tiles were best (round 2): an 8-row tile per 8 rows re-reads the expert's
+# weights for each tile, so the switch sits low. Same bits at any tile.
+FEW_ROWS_PER_GROUP = 2
+_FEW_ROWS_CANDIDATES = {WeightFormat.FP4: ((8, 256, 128, 8),)}
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
 # FP4 (the formats with chunk candidates): decode tiles below 12 mean rows per expert (measured best at
 # 1 and 8); 64-row tiles at 64 (4096 x 6: 1.707 ms against 1.893 for 128-row tiles, sweep round 6);
@@ -252,6 +259,8 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
     Fields other than the tile shape and the launch (dequant mode, XLA tile) are taken from ``base``."""
     phase = tile_phase(m_rows, num_groups, fmt)
     cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
+    if phase == "decode" and m_rows < FEW_ROWS_PER_GROUP * num_groups:
+        cands = _FEW_ROWS_CANDIDATES.get(fmt, ()) + cands
     for bm, bn, bk, st in cands:
         cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st,
                                              persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)
