@@ -579,6 +579,18 @@ _SWEEP_ROUNDS = {
             ("chunk", 4096, (64, 256, 128, 4), 6, ()),
             ("prefill", 32768, (128, 256, 64, 3), 8, ()))
     ),
+    # Round 8 (2026-12-05): four consumer warpgroups (``consumers=4``, 64 weight rows each, 96-112
+    # registers a thread where 2 take 168-232) at the decode tiles. ncu (2026-12-04) found the FP4 decode
+    # consumer-bound with 2 consumer warps per scheduler issuing 0.67 instructions a cycle: 4 warps per
+    # scheduler should hide more of the dequantization's latency. ptxas (deviceless): 96 registers, no
+    # spills. Also at 8 rows per expert (512 tokens), where 16-row tiles are the table's choice.
+    "8": (
+        (WeightFormat.FP4, "decode", 64, (_cfg(8, 256, 128, 8, **_PS), _cfg(8, 256, 128, 8, **_PS, consumers=4),
+                                        _cfg(16, 256, 128, 8, **_PS), _cfg(16, 256, 128, 8, **_PS, consumers=4),
+                                        _cfg(8, 512, 128, 4, **_PS, consumers=4))),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8, **_PS), _cfg(16, 256, 128, 8, **_PS, consumers=4))),
+        (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS), _cfg(64, 256, 128, 4, **_PS, consumers=4))),
+    ),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
 
@@ -600,7 +612,7 @@ def _():
             cfg = fit(cfg, fmt, jnp.float32)
             name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
             name += "-sub" * (cfg.fp4_dequant == "subnormal" and fmt is WeightFormat.FP4) + "-pers" * cfg.persistent
-            name += "-nosw" * (not cfg.swizzle_weights) + "-yT" * (not cfg.out_rows)
+            name += "-nosw" * (not cfg.swizzle_weights) + "-yT" * (not cfg.out_rows) + "-c4" * (cfg.consumers == 4)
             key = f"{fmt.value}/{phase}{tokens}/{name}"
             if left() < 10:
                 out[key] = "skipped (time)"

@@ -14,11 +14,12 @@ def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
 
 
-def run_warpgroups(consumer: Callable[[int], None], producers: Sequence[Callable[[], None]]) -> None:
-    """The kernels' roles: ``consumer(0)`` on warpgroup 0, ``consumer(1)`` on warpgroup 1 and
-    ``producers[i]()`` on warpgroup 2 + i (thread axis "wg")."""
+def run_warpgroups(consumer: Callable[[int], None], producers: Sequence[Callable[[], None]],
+                   consumers: int = 2) -> None:
+    """The kernels' roles: ``consumer(j)`` on warpgroup j for j < consumers, then ``producers[i]()``
+    on warpgroup consumers + i (thread axis "wg")."""
     wg = lax.axis_index("wg")
-    for half in (0, 1):
-        pl.when(wg == half)(lambda half=half: consumer(half))
+    for j in range(consumers):
+        pl.when(wg == j)(lambda j=j: consumer(j))
     for i, producer in enumerate(producers):
-        pl.when(wg == 2 + i)(producer)
+        pl.when(wg == consumers + i)(producer)

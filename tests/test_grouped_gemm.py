@@ -470,6 +470,33 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
+    """``consumers=4`` (64 weight rows per consumer warpgroup) computes every weight row as the
+    2-consumer kernel does: the same bits, in both launches and both output forms (rows from registers
+    for float32, y^T through shared memory for bf16)."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(17)
+    g, n, k, m = 3, 256, 128, 21
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    two = dataclasses.replace(_TINY_CFG, block_n=256)
+    with _interpret():
+        for persistent, out_dtype in ((False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)):
+            base = dataclasses.replace(two, persistent=persistent)
+            want = grouped_matmul_pallas(x, w, gid, s, out_dtype=out_dtype, config=base)
+            got = grouped_matmul_pallas(x, w, gid, s, out_dtype=out_dtype,
+                                        config=dataclasses.replace(base, consumers=4))
+            assert np.array_equal(_bits(got), _bits(want)), (persistent, out_dtype)
+    assert not races_found()
+    with pytest.raises(ValueError, match="consumers"):
+        GroupedMatmulConfig(block_n=128, consumers=4)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 def test_row_output_gives_the_transposed_outputs_bits_in_gpu_interpreter(fmt, persistent):
     """The kernel writing y [P, N] from registers (the default) gives the bits of the y^T form stored
@@ -574,6 +601,12 @@ def test_register_operand_kernel_lowers_for_hopper(fmt):
             lowered = jax.jit(lambda *a, cfg=cfg, o=out_dtype: grouped_matmul_pallas(*a, config=cfg, out_dtype=o)
                               ).trace(x, w, gid, s).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
+    # four consumer warpgroups (64 weight rows each, 112 registers a thread) at the decode tile
+    for extra in (dict(fp4_dequant="subnormal", persistent=True), dict(fp4_dequant="packed", persistent=False)):
+        cfg = GroupedMatmulConfig(block_m=8, block_n=256, block_k=128, stages=4, consumers=4, **extra)
+        lowered = jax.jit(lambda *a, cfg=cfg: grouped_matmul_pallas(*a, config=cfg, out_dtype=jnp.float32)
+                          ).trace(x, w, gid, s).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 # ---- tuned tile configs and kernel-layout scales ------------------------------------------------------

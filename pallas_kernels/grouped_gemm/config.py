@@ -32,7 +32,7 @@ class GroupedMatmulConfig:
 
     block_m: token rows per tile (the wgmma N dimension, since the kernel computes y^T = W . x^T);
         each group is padded to a multiple of it. Multiple of 8, at most 256.
-    block_n: weight rows (output columns) per CTA, split across the two consumer warpgroups;
+    block_n: weight rows (output columns) per CTA, split across the consumer warpgroups;
         multiple of 128.
     block_k: K elements per pipeline step; multiple of 64.
     stages: shared-memory pipeline depth (TMA copies in flight per CTA).
@@ -63,6 +63,10 @@ class GroupedMatmulConfig:
         the earlier y^T, whose un-permute and ``retile`` transpose). Same values, so the same bits.
         float32 outputs only (``writes_rows``): a bf16 store would write 16-byte runs, half a DRAM
         sector, which Mosaic GPU refuses; bf16 outputs keep y^T.
+    consumers: consumer warpgroups per CTA (2 or 4), each owning block_n / consumers weight rows (a
+        multiple of 64, the wgmma M granule). 4 gives each scheduler twice the consumer warps to hide
+        the dequantization's latency with, at 112 registers a thread instead of 232 (the register file
+        is shared). Each weight row is computed alike either way, so the same bits.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 
@@ -79,6 +83,7 @@ class GroupedMatmulConfig:
     persistent: bool = False
     swizzle_weights: bool = True
     out_rows: bool = True
+    consumers: int = 2
     xla_block_m: int = 8
 
     def __post_init__(self):
@@ -86,7 +91,10 @@ class GroupedMatmulConfig:
             raise ValueError(f"block_m={self.block_m} must be a multiple of 8 in [8, 256] (wgmma N)")
         if self.block_n % 128 or self.block_n <= 0:
             raise ValueError(f"block_n={self.block_n} must be a positive multiple of 128 "
-                             "(two consumer warpgroups of 64-row wgmma tiles)")
+                             "(consumer warpgroups of 64-row wgmma tiles)")
+        if self.consumers not in (2, 4) or self.block_n % (64 * self.consumers):
+            raise ValueError(f"consumers={self.consumers} must be 2 or 4, with block_n={self.block_n} a multiple "
+                             "of 64 rows per consumer")
         if self.block_k % 64 or self.block_k <= 0:
             raise ValueError(f"block_k={self.block_k} must be a positive multiple of 64")
         if self.stages < 2:

@@ -6,19 +6,20 @@ The item (n, t) is output columns [n*block_n, (n+1)*block_n) of tile t's rows. T
 each item its own CTA; the persistent launch (``cfg.persistent``) starts one CTA per SM, and CTA c
 takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them. Per item:
 
-* warpgroup 2 (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the weight
+* the last warpgroup (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the weight
   tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes; the quantized ones
   TMA-swizzled when ``cfg.swizzle_weights``, so the consumers' row reads do not share banks) and, for
   the quantized formats, the step's E8M0 scale bytes [block_k/32, block_n], with TMA into a
   ``stages``-deep ring.
-* warpgroups 0 and 1 (consumers) each own block_n/2 weight rows. The weights are the wgmma A
-  operand (the M side: 64-row granules) and the tokens the B operand (N side: any multiple of 8),
-  so a decode tile of a few tokens wastes little tensor-core work. bf16 weights feed wgmma from
+* warpgroups 0 .. consumers-1 (``cfg.consumers``, 2 or 4) each own block_n/consumers weight rows.
+  The weights are the wgmma A operand (the M side: 64-row granules) and the tokens the B operand (N
+  side: any multiple of 8), so a decode tile of a few tokens wastes little tensor-core work. bf16
+  weights feed wgmma from
   shared memory; FP8/FP4 are dequantized per 32-column scale block into registers (value x 2^(b-127),
   exact in bf16) and fed to wgmma as a register A operand. How FP4 is decoded (``cfg.fp4_dequant``) and
   whether block c+1's dequantization overlaps block c's wgmma (``cfg.overlap_wgmma``) change the speed,
   never the bf16 values.
-* the f32 accumulator [block_n/2, block_m] is the transposed output tile. By default
+* the f32 accumulator [block_n/consumers, block_m] is the transposed output tile. By default
   (``cfg.out_rows``) each consumer stores it from registers straight into y [T*block_m, N], converted to
   the transposed WGMMA layout so that every store writes whole 32-byte runs of a y row, and the wrapper
   gathers the token rows back. The earlier form stores it to y^T [N, T*block_m] through shared memory
@@ -54,6 +55,9 @@ from pallas_kernels.mosaic import run_warpgroups, tiled
 
 _HALF = SCALE_BLOCK // 2
 _PTX_MODES = ("packed", "subnormal")     # FP4 decoders written in inline PTX (GPU only)
+# Registers a consumer thread asks for (setmaxnreg: a multiple of 8), by consumer warpgroups per CTA:
+# 2 x 128 x 232 + 128 x 40 and 4 x 128 x 112 + 128 x 40 both fit the SM's 65,536.
+_CONSUMER_REGISTERS = {2: 232, 4: 112}
 
 
 def _e8m0_row_to_f32(s_u8):
@@ -106,7 +110,8 @@ def _interpreting() -> bool:
 
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype):
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
-    wg_rows = bn // 2
+    n_cons = cfg.consumers
+    wg_rows = bn // n_cons
     n_steps = k // bk
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
@@ -231,8 +236,9 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 def _():
                     plgpu.barrier_wait(empty.at[s])
 
-        def consumer(half: int):
-            plgpu.set_max_registers(232, action="increase")
+        def consumer(half: int):   # half: this consumer's index (of cfg.consumers)
+            # the register file (64K) shared out: the producer keeps 40 a thread, the consumers the rest
+            plgpu.set_max_registers(_CONSUMER_REGISTERS[n_cons], action="increase")
             rows = pl.ds(half * wg_rows, wg_rows)
 
             def compute(k, nt, t, grp):
@@ -292,13 +298,13 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
             if not out_rows:
                 plgpu.wait_smem_to_gmem(0)
 
-        run_warpgroups(consumer, [producer])
+        run_warpgroups(consumer, [producer], consumers=n_cons)
 
     s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
     a_staged = quant and not cfg.a_from_registers
-    a_shape = (2, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
+    a_shape = (n_cons, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
     # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
-    o_shape = (1, 8, 32) if out_rows else (2, wg_rows, bm)
+    o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
     out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
     scratch = (
         (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
@@ -307,7 +313,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
          plgpu.SMEM(a_shape, jnp.bfloat16, transforms=tiled(64, 2)),
          plgpu.SMEM(o_shape, out_dtype, transforms=out_transforms)),
         (plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+         plgpu.Barrier(num_arrivals=n_cons, num_barriers=stages)),
     )
 
     def entry(*refs):
@@ -318,7 +324,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
     out_shape = (num_tiles * bm, n) if out_rows else (n, num_tiles * bm)
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+                        grid=grid, grid_names=grid_names, num_threads=n_cons + 1, thread_name="wg")
 
 
 def _num_ctas() -> int:
