@@ -16,7 +16,8 @@ What it does not show: autotuning (needs the GPU; its results can be carried, se
 ``--compile-cache``) and anything about run time. Compile times here are for comparisons on the same
 machine: a 2-core machine compiles several times slower than the H200 host's 16 cores (the 12-layer
 prefill program at chunk 2048: 33 s here without autotuning, ~110 s there with it; the B=64 decode step
-with one Sinkhorn chain per mHC call: 548 s here, cut into segments 55 s).
+with one Sinkhorn chain per mHC call: 548 s here, cut into segments 55 s; with the Sinkhorn kernel, the
+GPU default since 2026-12-05, 42 s).
 
 The kernel registry picks implementations by the platform of jax's first device, which is the CPU here,
 so this script resolves them as on "cuda" (the Pallas kernels are lowered for Mosaic GPU as on the H200).

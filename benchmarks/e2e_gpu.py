@@ -28,9 +28,10 @@ Sections:
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
-* unroll: the decode step at --profile-batch and the first context with ``sinkhorn_unroll=False``
-  (the mHC Sinkhorn rounds as a while loop, one host round trip per iteration; the GPU default since
-  2026-12-04 is unrolled), to compare with the decode section's row for the same shape.
+* unroll: the decode step at --profile-batch and the first context with the mHC Sinkhorn rounds in
+  XLA as a while loop (``kernels`` "sinkhorn=xla", ``sinkhorn_unroll=False``: one host round trip per
+  iteration), to compare with the decode section's row for the same shape (on Hopper the rounds run in
+  the Sinkhorn kernel since 2026-12-05; before, XLA's unrolled rounds).
 * xla: the decode step with ``Numerics.kernels="xla"`` (the model's own XLA code: float32 attention,
   dequantize-and-gather experts) at the small batches where its gathered expert weights fit: the
   XLA-only path, as a ratio to the kernel path.
@@ -591,7 +592,8 @@ def main(argv=None):
     ap.add_argument("--kernels", default=None, help='Numerics.kernels for every section, e.g. "indexer=pallas" '
                     "(default: the engine's automatic choice)")
     ap.add_argument("--sinkhorn-segment-rows", default="default",
-                    help="Numerics.sinkhorn_segment_rows for every section: an int (512: prefill chunks only), 'none' "
+                    help="Numerics.sinkhorn_segment_rows for every section, for XLA's form of the rounds (with "
+                    "--kernels sinkhorn=xla, or off Hopper): an int (512: prefill chunks only), 'none' "
                     "(one chain everywhere), or 'default' (the engine's: every size)")
     ap.add_argument("--y-transposed", action="store_true",
                     help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
@@ -656,7 +658,8 @@ def main(argv=None):
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
-        section("unroll-decode", run_decode, out, m, dataclasses.replace(numerics, sinkhorn_unroll=False),
+        section("unroll-decode", run_decode, out, m, dataclasses.replace(
+                    numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),
                 [args.profile_batch], contexts[:1], max_len, "sinkhorn-loop")
     if "timeline" in want:
         section("timeline", run_timeline, out, m, numerics, args.profile_batch, contexts[0], max_len)

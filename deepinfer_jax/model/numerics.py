@@ -47,7 +47,8 @@ class Numerics:
     fake_quant: bool = True  # simulate the deployment quantizers where the reference does
     kv_quant: bool = True  # store KV caches at deployment precision (FP8 window, FP4 compressed/index-K)
     kernels: str = "auto"  # who computes attention / routed experts (module docstring)
-    # Unroll the mHC Sinkhorn rounds instead of a while loop. On a GPU each while iteration costs a
+    # XLA's form of the mHC Sinkhorn rounds (on Hopper the Sinkhorn kernel runs them, ``kernels``
+    # "sinkhorn"): unrolled instead of a while loop. On a GPU each while iteration costs a
     # device-to-host round trip for its predicate (418 per 12-layer decode step); unrolling measured
     # 48.4 -> 44.85 ms/step on the H200 slice at B=64 (benchmarks/NOTES.md). Elsewhere the loop stays:
     # unrolled rounds double the tiny model's compile time on CPU and may fuse differently (1 ulp).
