@@ -561,10 +561,10 @@ _SWEEP_ROUNDS = {
     "6": (
         (WeightFormat.FP4, "chunk", 4096, (_cfg(128, 256, 64, 3, **_PS), _cfg(64, 256, 128, 6, **_PS))),
     ),
-    # Round 7 (2026-12-05; results/grouped_gemm_sweep7_2026-12-05.json, NOTES.md): y written as rows from the registers (``out_rows``, the default
-    # since) vs the y^T tile through shared memory and TMA. The op times include the un-permute: a row
-    # gather for the first config of each case, the compaction + transpose or transposed gather for the
-    # second. Predicted: kernels within 2 %, the op 0.1-0.3 ms faster per call (the un-permute of y^T
+    # Round 7 (2026-12-05; results/grouped_gemm_sweep7_2026-12-05.json, NOTES.md): y written as rows
+    # from the registers (``out_rows``, the default since) vs the y^T tile through shared memory and
+    # TMA. The op times include the un-permute: a row gather for the first config of each case, the
+    # compaction + transpose or transposed gather for the second. Predicted: kernels within 2 %, the op 0.1-0.3 ms faster per call (the un-permute of y^T
     # cost 1.2 ms a decode step of 12 w2 calls, 77 ms of the 32k prefill's 192 layer-chunks). The third
     # config spends the shared memory the y^T tile held (64-128 KB at these tiles) on deeper TMA rings
     # (``fit`` trims the stages to what fits): the chunk GEMMs run at ~2.5x their weight-read time.

@@ -412,7 +412,6 @@ def test_gpu_forms_of_mhc_run_the_tiny_model_within_bf16_tolerance(tiny_params, 
     assert np.abs(want).max() > 1.0
 
 
-
 def test_mhc_mixes_through_the_sinkhorn_kernel_in_gpu_interpreter():
     """mHC's Sinkhorn rounds by the Mosaic GPU kernel (the Hopper default, ``kernels`` "sinkhorn") in
     the interpreter, and by the op's XLA fallback ("ops"), against the CPU's XLA loop: the rounds'

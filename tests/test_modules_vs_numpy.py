@@ -17,6 +17,7 @@ from deepinfer_jax.model.attention import sink_attention
 from deepinfer_jax.model.linear import quant_linear
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
 from deepinfer_jax.model.transformer import Numerics
+from pallas_kernels.sinkhorn import SEGMENT_ROUNDS
 from reference import numpy_v41 as ref
 
 EXACT = Numerics.exact()
@@ -92,7 +93,7 @@ def test_mhc_unrolled_sinkhorn_at_prefill_sizes_is_cut_into_segments_with_the_sa
     np.testing.assert_allclose(np.asarray(unrolled), np.asarray(looped), rtol=1e-6, atol=0)
     barriers = lambda n: jax.jit(lambda *a: mhc.mixes(*a, unroll=True, **kw)).lower(  # noqa: E731
         x[:, :n], fn, base, scale).as_text().count("optimization_barrier")
-    assert barriers(rows) == (20 - 2) // mhc.SINKHORN_SEGMENT_ROUNDS      # 19 rounds: barriers before 5, 10, 15
+    assert barriers(rows) == (20 - 2) // SEGMENT_ROUNDS      # 19 rounds: barriers before 5, 10, 15
     assert barriers(rows - 1) == 0
 
 

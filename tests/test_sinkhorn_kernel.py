@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from pallas_kernels.interpret import gpu_interpreter, races_found
 from pallas_kernels.sinkhorn import (SinkhornConfig, kernel_unsupported_reason, sinkhorn_rounds,
                                      sinkhorn_rounds_reference, sinkhorn_rounds_xla)
+from pallas_kernels.sinkhorn.reference import example_comb
 
 ROUNDS, EPS = 19, 1e-6      # V4's hc_sinkhorn_iters = 20: one column normalization, then 19 rounds
 # Entries lie in [0, 1]. A round is a contraction, so rounding errors do not build up over rounds: the
@@ -21,13 +22,8 @@ ROUNDS, EPS = 19, 1e-6      # V4's hc_sinkhorn_iters = 20: one column normalizat
 TOL = 1e-6
 
 
-def _comb(seed: int, *lead: int, hc: int = 4) -> jax.Array:
-    """What mHC hands the rounds: a softmax over each row, + eps, then one column normalization."""
-    r = np.random.default_rng(seed)
-    logits = r.standard_normal((*lead, hc, hc)) * 3
-    c = np.exp(logits - logits.max(-1, keepdims=True))
-    c = c / c.sum(-1, keepdims=True) + EPS
-    return jnp.asarray(c / (c.sum(-2, keepdims=True) + EPS), jnp.float32)
+def _comb(seed: int, *lead: int) -> jax.Array:
+    return jnp.asarray(example_comb(seed, *lead, eps=EPS))
 
 
 def _kernel(comb, config=SinkhornConfig(), detect_races=False):

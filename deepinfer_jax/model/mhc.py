@@ -39,10 +39,6 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Ar
     return (parts[..., 2 * m:] + parts[..., m:2 * m]) + parts[..., :m]
 
 
-# The XLA form's segment length (kept here for the tests and scripts that name it).
-SINKHORN_SEGMENT_ROUNDS = SEGMENT_ROUNDS
-
-
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
           hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
           bf16_dot: bool = False, sinkhorn_impl: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -52,7 +48,7 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     ``pallas_kernels.sinkhorn`` op with that implementation ("interpret": the Mosaic GPU kernel in the
     interpreter). For the XLA code: unroll, the rounds unrolled (no while loop;
     ``Numerics.sinkhorn_unroll``); segment_rows, from this many rows B*T the unrolled rounds are cut
-    into segments of SINKHORN_SEGMENT_ROUNDS (``Numerics.sinkhorn_segment_rows``; None: never).
+    into segments of ``pallas_kernels.sinkhorn.SEGMENT_ROUNDS`` (``Numerics.sinkhorn_segment_rows``; None: never).
     bf16_dot: ``stream_dot``'s bf16 form."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
@@ -68,7 +64,7 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     if sinkhorn_impl is None:
         cut = segment_rows is not None and b * t >= segment_rows
         return pre, post, sinkhorn_rounds_xla(comb, rounds=rounds, eps=hc_eps, unroll=unroll,
-                                              segment=SINKHORN_SEGMENT_ROUNDS if cut else None)
+                                              segment=SEGMENT_ROUNDS if cut else None)
     if sinkhorn_impl == "interpret":
         from pallas_kernels.interpret import gpu_interpreter
         from pallas_kernels.sinkhorn.kernel import sinkhorn_rounds_pallas

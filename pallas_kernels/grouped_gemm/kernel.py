@@ -6,19 +6,18 @@ The item (n, t) is output columns [n*block_n, (n+1)*block_n) of tile t's rows. T
 each item its own CTA; the persistent launch (``cfg.persistent``) starts one CTA per SM, and CTA c
 takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them. Per item:
 
-* the last warpgroup (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the weight
-  tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes; the quantized ones
+* the last warpgroup (producer) streams, per K step, the token tile x[block_m, block_k] (bf16), the
+  weight tile W[g][block_n, block_k] as stored (bf16, e4m3 bytes or packed FP4 bytes; the quantized ones
   TMA-swizzled when ``cfg.swizzle_weights``, so the consumers' row reads do not share banks) and, for
   the quantized formats, the step's E8M0 scale bytes [block_k/32, block_n], with TMA into a
   ``stages``-deep ring.
 * warpgroups 0 .. consumers-1 (``cfg.consumers``, 2 or 4) each own block_n/consumers weight rows.
   The weights are the wgmma A operand (the M side: 64-row granules) and the tokens the B operand (N
   side: any multiple of 8), so a decode tile of a few tokens wastes little tensor-core work. bf16
-  weights feed wgmma from
-  shared memory; FP8/FP4 are dequantized per 32-column scale block into registers (value x 2^(b-127),
-  exact in bf16) and fed to wgmma as a register A operand. How FP4 is decoded (``cfg.fp4_dequant``) and
-  whether block c+1's dequantization overlaps block c's wgmma (``cfg.overlap_wgmma``) change the speed,
-  never the bf16 values.
+  weights feed wgmma from shared memory; FP8/FP4 are dequantized per 32-column scale block into
+  registers (value x 2^(b-127), exact in bf16) and fed to wgmma as a register A operand. How FP4 is
+  decoded (``cfg.fp4_dequant``) and whether block c+1's dequantization overlaps block c's wgmma
+  (``cfg.overlap_wgmma``) change the speed, never the bf16 values.
 * the f32 accumulator [block_n/consumers, block_m] is the transposed output tile. By default
   (``cfg.out_rows``) each consumer stores it from registers straight into y [T*block_m, N], converted to
   the transposed WGMMA layout so that every store writes whole 32-byte runs of a y row, and the wrapper

@@ -14,6 +14,7 @@ correctly rounded one, so this path and the XLA path differ by a few ulps; each 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +80,7 @@ def sinkhorn_rounds_pallas(comb_bthk: jax.Array, *, rounds: int, eps: float,
         raise ValueError(f"sinkhorn_rounds: comb must end in square matrices, got shape {comb_bthk.shape}")
     if rounds == 0:
         return comb_bthk.astype(jnp.float32)
-    n = 1
-    for d in lead:
-        n *= d
+    n = math.prod(lead)
     block = config.block_rows
     n_pad = -(-n // block) * block
     comb_kn = jnp.pad(comb_bthk.astype(jnp.float32).reshape(n, hc * hc).T, ((0, 0), (0, n_pad - n)))
