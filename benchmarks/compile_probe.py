@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -94,7 +95,7 @@ def place_on(tree, sharding):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree)
 
 
-def probe(fn, args, sharding, label: str) -> dict:
+def probe(fn, args, sharding, label: str, hlo_dir: Path | None = None) -> dict:
     t0 = time.time()
     with jax.threefry_partitionable(True):
         lowered = fn.trace(*(place_on(a, sharding) for a in args)).lower()
@@ -102,8 +103,12 @@ def probe(fn, args, sharding, label: str) -> dict:
         compiled = lowered.compile()
     t2 = time.time()
     mem = compiled.memory_analysis()
+    text = compiled.as_text()
     rec = dict(program=label, lower_s=t1 - t0, compile_s=t2 - t1, temp_bytes=mem.temp_size_in_bytes,
-               argument_bytes=mem.argument_size_in_bytes, fusions=compiled.as_text().count(" fusion("))
+               argument_bytes=mem.argument_size_in_bytes, fusions=text.count(" fusion("))
+    if hlo_dir is not None:   # the optimized HLO, for counting kernels by site (``hlo_sites.py``)
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".hlo.txt")).write_text(text)
     print(f"{label}: trace+lower {rec['lower_s']:.1f} s, compile {rec['compile_s']:.1f} s, temp "
           f"{rec['temp_bytes'] / 2**30:.2f} GiB, arguments {rec['argument_bytes'] / 2**30:.1f} GiB, "
           f"{rec['fusions']} fusion kernels", flush=True)
@@ -121,6 +126,7 @@ def main(argv=None) -> int:
                     help="Numerics.sinkhorn_segment_rows: an int, 'none', or 'default' (the engine's)")
     ap.add_argument("--target-config", type=Path, default=TARGET_CONFIG)
     ap.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="write each compiled program's HLO text here")
     args = ap.parse_args(argv)
 
     sharding = compile_only_sharding(args.target_config)
@@ -150,16 +156,16 @@ def main(argv=None) -> int:
         inp["positions"][0] = np.arange(chunk)
         step_args = (params, sch.state, inp, sch.consts)
         records.append(probe(sch._prefill, step_args, sharding,
-                             f"prefill chunk {chunk} (layers to the last KV source)"))
+                             f"prefill chunk {chunk} (layers to the last KV source)", args.hlo_dir))
         if sch._prefill_upper is not None:      # bounded replay's second program, fed by the first's carry
             carry = jax.eval_shape(sch._prefill, *(place_on(a, sharding) for a in step_args))[1]
             records.append(probe(sch._prefill_upper, (params, sch.state, carry, inp, sch.consts), sharding,
-                                 f"prefill chunk {chunk} (layers above it, the head and the sampler)"))
+                                 f"prefill chunk {chunk} (layers above it, the head and the sampler)", args.hlo_dir))
     for b in (int(v) for v in args.decode.split(",") if v):
         sch = Scheduler(params, cfg, tok, token_map, numerics,
                         EngineConfig(max_slots=b, max_len=args.context + 64, chunk_size=256))
         records.append(probe(sch._decode, (params, sch.state, decode_inputs(sch, args.context), sch.consts),
-                             sharding, f"decode B={b} context {args.context}"))
+                             sharding, f"decode B={b} context {args.context}", args.hlo_dir))
     if args.out:
         args.out.write_text(json.dumps(dict(jax=jax.__version__, layers=args.layers, records=records), indent=1))
     return 0

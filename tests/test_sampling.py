@@ -255,8 +255,8 @@ def test_a_row_never_depends_on_its_slot_or_neighbours(sampler, monkeypatch):
 
 @pytest.mark.parametrize("v", [129280, 10_001, 8 * 1024])
 def test_top_k_by_blocks_is_lax_top_k_bit_for_bit(v):
-    """The two-stage top-k of the logprobs gives lax.top_k's values and indices, ties (lower index
-    first) and -inf included, for vocabularies that are and are not a multiple of the block."""
+    """The block-wise top-k of the logprobs gives lax.top_k's values and indices, ties (lower index
+    first), -inf, signed zeros and NaN included, for vocabularies that are and are not a multiple of the block."""
     from deepinfer_jax.engine.sampling import top_k_by_blocks
 
     rng = np.random.default_rng(v)
@@ -265,6 +265,12 @@ def test_top_k_by_blocks_is_lax_top_k_bit_for_bit(v):
     x[0, [17, v - 1, 4000]] = [1.0, 1.0, 0.5]                      # fewer finite values than k
     x[1, rng.choice(v, v // 2, replace=False)] = -np.inf
     x[2] = rng.normal(size=v).astype(np.float32)
+    # signed zeros and a NaN, which lax.top_k ranks in its total order (-0.0 < +0.0 < NaN): a block
+    # chooser that compared floats would tie the zeros and pick the lower, -0.0 blocks
+    x[4] = -1.0
+    x[4, rng.choice(v, 40, replace=False)] = -0.0
+    x[4, [v - 2, v // 2]] = 0.0
+    x[4, v // 3] = np.nan
     for k in (20, 1):
         got = jax.jit(top_k_by_blocks, static_argnums=1)(jnp.asarray(x), k)
         want = jax.lax.top_k(jnp.asarray(x), k)
