@@ -392,3 +392,32 @@ def test_multidev_meshes_that_cannot_split_are_refused(tiny_cfg):
     with pytest.raises(ShardingError, match="6 slots do not split"):
         sharded_step(ParallelContext(make_mesh("data=4,expert=2")), tiny_cfg, num, abstract_params(tiny_cfg),
                      cache_shapes(tiny_cfg, 6, MAX_LEN, num))
+
+
+@multidev
+def test_multidev_batch_local_runs_the_sinkhorn_op_on_each_devices_rows():
+    """``ParallelContext.batch_local``, which the model wraps the Sinkhorn kernel in on a mesh (GSPMD
+    cannot split a Pallas call and would gather the rows: benchmarks/mesh_collectives_probe.py shows
+    that for the Mosaic kernel, deviceless), here around the op's XLA form: same bits as GSPMD's
+    partitioning of the same code, the result left split over ``data``, and no collective."""
+    from jax.sharding import NamedSharding
+
+    from deepinfer_jax.model import mhc
+    from deepinfer_jax.parallel import ParallelContext
+
+    ctx = ParallelContext(make_mesh("data=4,tensor=2"))
+    r = np.random.default_rng(9)
+    x = jax.device_put(jnp.asarray(r.standard_normal((8, 3, 4, 64)), jnp.bfloat16),
+                       NamedSharding(ctx.mesh, ctx.batch_spec(4)))
+    fn = jnp.asarray(r.standard_normal((24, 256)) / 8, jnp.float32)
+    base, scale = jnp.asarray(r.standard_normal(24), jnp.float32), jnp.asarray(r.standard_normal(3), jnp.float32)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, sinkhorn_impl="xla")
+    runs = {}
+    for label, rows_local in (("local", ctx.batch_local), ("gspmd", None)):
+        f = jax.jit(lambda x, rl=rows_local: mhc.mixes(x, fn, base, scale, rows_local=rl, **kw))
+        runs[label] = f(x)
+        hlo = f.lower(x).compile().as_text()
+        assert not re.search(r" (all-gather|all-reduce|collective-permute|all-to-all)(-start)?\(", hlo), label
+    for got, want in zip(runs["local"], runs["gspmd"]):
+        assert np.array_equal(_bits(got), _bits(want))
+    assert runs["local"][2].sharding.spec[0] == "data"

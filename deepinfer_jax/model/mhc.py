@@ -5,6 +5,8 @@ Shapes: the stream state is x_bthd [B, T, hc, D] (hc = 4 copies). All mixing mat
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -41,7 +43,8 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Ar
 
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
           hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
-          bf16_dot: bool = False, sinkhorn_impl: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          bf16_dot: bool = False, sinkhorn_impl: str | None = None,
+          rows_local: Callable | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
     sinkhorn_impl: who runs the Sinkhorn rounds: None = the model's XLA code below, else the
@@ -49,7 +52,10 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     interpreter). For the XLA code: unroll, the rounds unrolled (no while loop;
     ``Numerics.sinkhorn_unroll``); segment_rows, from this many rows B*T the unrolled rounds are cut
     into segments of ``pallas_kernels.sinkhorn.SEGMENT_ROUNDS`` (``Numerics.sinkhorn_segment_rows``; None: never).
-    bf16_dot: ``stream_dot``'s bf16 form."""
+    bf16_dot: ``stream_dot``'s bf16 form.
+    rows_local: for the op, a wrapper that runs a function of [B, ...] arrays on each device's own
+    rows (``ParallelContext.batch_local``): GSPMD cannot split a Pallas call, so on a mesh it would
+    gather every device's rows and run the whole batch on each."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
     m = stream_dot(x_bthd.reshape(b, t, hc * d), fn, bf16_dot)
@@ -69,11 +75,15 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
         from pallas_kernels.interpret import gpu_interpreter
         from pallas_kernels.sinkhorn.kernel import sinkhorn_rounds_pallas
 
-        with gpu_interpreter():
-            return pre, post, sinkhorn_rounds_pallas(comb, rounds=rounds, eps=hc_eps)
-    from pallas_kernels.registry import AUTO
+        def run(c):
+            with gpu_interpreter():
+                return sinkhorn_rounds_pallas(c, rounds=rounds, eps=hc_eps)
+    else:
+        from pallas_kernels.registry import AUTO
 
-    return pre, post, sinkhorn_rounds(comb, rounds=rounds, eps=hc_eps, impl=sinkhorn_impl, selection=AUTO)
+        def run(c):
+            return sinkhorn_rounds(c, rounds=rounds, eps=hc_eps, impl=sinkhorn_impl, selection=AUTO)
+    return pre, post, (run if rows_local is None else rows_local(run))(comb)
 
 
 def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:

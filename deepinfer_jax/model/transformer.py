@@ -22,13 +22,14 @@ from pallas_kernels.sinkhorn import kernel_unsupported_reason as sinkhorn_unsupp
 __all__ = ["Numerics", "block_step", "forward", "forward_hidden", "head_input", "lm_head"]
 
 
-def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics):
+def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Numerics, parallel=None):
     route, impl = kernel_route(numerics, "sinkhorn", "sinkhorn_rounds", sinkhorn_unsupported(cfg.hc_mult))
     with jax.named_scope(f"mhc_{site}"):
         return mhc.mixes(x_bthd, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"],
                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
                          unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows,
-                         bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None)
+                         bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None,
+                         rows_local=None if parallel is None else parallel.batch_local)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
@@ -54,7 +55,7 @@ def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, ca
     tokens_bt: the token ids, needed by hash-routed MoE layers (V4's first num_hash_layers)."""
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
-    a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg, numerics)
+    a_pre, a_post, a_comb = _mix(p, "attn", x_bthd, cfg, numerics, parallel)
     attn_pre = carried_pre if cfg.delayed_pre_mhc else a_pre
     x = rms_norm(mhc.pre_apply(x_bthd, attn_pre, dt), p["attn_norm"]["weight"], eps, dt)
     attend = attention if parallel is None else parallel.attention
@@ -62,7 +63,7 @@ def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, ca
         attn_out, new_win, sources = attend(p["attn"], cfg, plan, x, pos_bt, window_cache, sources, published,
                                             numerics)
     x_bthd = mhc.post_apply(attn_out, x_bthd, a_post, a_comb, dt)
-    f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg, numerics)
+    f_pre, f_post, f_comb = _mix(p, "ffn", x_bthd, cfg, numerics, parallel)
     x = rms_norm(mhc.pre_apply(x_bthd, a_pre if cfg.delayed_pre_mhc else f_pre, dt), p["ffn_norm"]["weight"], eps, dt)
     experts_impl = None if parallel is None else parallel.routed_experts
     hash_ids = tokens_bt.reshape(-1) if plan.hash_routed else None

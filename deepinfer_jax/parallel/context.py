@@ -42,6 +42,15 @@ class ParallelContext:
         no op downstream can be partitioned along a dim it contracts."""
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.batch_spec(x.ndim)))
 
+    def batch_local(self, fn: Callable) -> Callable:
+        """fn (batch-first arrays in and out, rows independent) run on each device's own slots. For
+        kernels GSPMD cannot partition (a Pallas call): it would otherwise gather every device's rows
+        and run the whole batch on each device."""
+        spec = self.batch_spec()
+        # check_vma off: jax 0.12's pad rule asserts on a replicated pad value beside a varying operand
+        # (the kernels' wrappers pad rows to whole blocks); fn sees only its own rows either way.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
     def attention(self, p, cfg, plan, x_btd, pos_bt, layer_cache, source_caches, published, numerics):
         return attention_tp(p, cfg, plan, x_btd, pos_bt, layer_cache, source_caches, published, numerics,
                             mesh=self.mesh, rules=self.rules)
