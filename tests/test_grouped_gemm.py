@@ -169,6 +169,43 @@ def test_xla_path_is_invariant_with_another_tile_size():
 
 # ---- tile plan -------------------------------------------------------------------------------------------
 
+def test_tile_groups_is_searchsorted_right():
+    """A tile's group is the number of groups ending at or before it (one fused reduction), as
+    jnp.searchsorted(side="right") says; -1 past the used tiles. Empty groups (repeated ends) included."""
+    from pallas_kernels.grouped_gemm.plan import _tile_groups
+
+    r = np.random.default_rng(0)
+    for _ in range(30):
+        tile_end = jnp.cumsum(jnp.asarray(r.integers(0, 4, r.integers(1, 50)), jnp.int32))
+        t = int(tile_end[-1]) + int(r.integers(0, 5))
+        ids = jnp.arange(t)
+        want = jnp.where(ids < tile_end[-1], jnp.searchsorted(tile_end, ids, side="right"), -1)
+        np.testing.assert_array_equal(np.asarray(_tile_groups(tile_end, t)), np.asarray(want))
+
+
+@pytest.mark.parametrize("m,g,bm", [(1, 384, 8), (7, 3, 4), (384, 384, 8), (384, 384, 16), (1024, 384, 8),
+                                    (300, 5, 64)])
+def test_plan_by_compares_is_the_sorted_plan(m, g, bm):
+    """Small M builds the plan from compares (no sort or scatter); every field equals the sort-and-scatter
+    plan's, for skewed and invalid group ids and a grid larger than max_tiles."""
+    from pallas_kernels.grouped_gemm import plan as plan_mod
+
+    assert m <= plan_mod.COMPARE_PLAN_ROWS
+    rng = np.random.default_rng(m * 7 + bm)
+    cases = [rng.integers(-2, g + 2, m), np.full(m, g - 1), rng.integers(0, min(g, 4), m),
+             rng.choice(rng.integers(0, g, 6), m)]
+    for gid in cases:
+        gid = jnp.asarray(gid, jnp.int32)
+        valid = (gid >= 0) & (gid < g)
+        key = jnp.where(valid, gid, g)
+        for t in (max_tiles(m, g, bm), max_tiles(m, g, bm) + 3):
+            got = plan_mod._plan_by_compares(key, valid, g, bm, t)
+            want = plan_mod._plan_by_sort(key, valid, g, bm, t)
+            for name in ("row_src", "tile_group", "dest_m", "valid_m", "sorted_pos", "sorted_m"):
+                np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                              err_msg=f"{name}, m={m} g={g} bm={bm} tiles={t}")
+
+
 @pytest.mark.parametrize("m,g,bm", [(1, 384, 64), (7, 3, 4), (100, 5, 8), (33, 40, 16), (64, 1, 64)])
 def test_plan_places_every_row_once_in_a_tile_of_its_group(m, g, bm):
     rng = np.random.default_rng(m + g)

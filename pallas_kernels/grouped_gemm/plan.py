@@ -66,6 +66,14 @@ def make_tile_plan(group_ids_m: jax.Array, num_groups: int, block_m: int, num_ti
     gid = group_ids_m.astype(jnp.int32)
     valid = (gid >= 0) & (gid < num_groups)
     key = jnp.where(valid, gid, num_groups)                       # invalid rows sort last
+    if m <= COMPARE_PLAN_ROWS:
+        return _plan_by_compares(key, valid, num_groups, block_m, t)
+    return _plan_by_sort(key, valid, num_groups, block_m, t)
+
+
+def _plan_by_sort(key: jax.Array, valid: jax.Array, num_groups: int, block_m: int, t: int) -> TilePlan:
+    """The plan from a stable sort of the rows by group and scatters: O(M log M + G) work."""
+    m = key.shape[0]
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     sorted_key = key[order]
     counts = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
@@ -81,13 +89,46 @@ def make_tile_plan(group_ids_m: jax.Array, num_groups: int, block_m: int, num_ti
     sorted_pos = jnp.where(sorted_valid, pos, 0)
     dest = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos)
     sorted_m = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    return TilePlan(row_src=row_src, tile_group=_tile_groups(tile_end, t), dest_m=dest, valid_m=valid,
+                    sorted_pos=sorted_pos, sorted_m=sorted_m)
+
+
+def _tile_groups(tile_end: jax.Array, t: int) -> jax.Array:
+    """Group of each tile: how many groups end at or before it (searchsorted, side="right"), as one
+    reduction of T x G compares. jnp.searchsorted's "scan" method is a while loop of log2(G) launches
+    per plan (108 tiny kernels per 12-layer decode step on the H200 profile); its "compare_all" wrote
+    the [T, G] compares out, then summed them (two launches)."""
     tile_ids = jnp.arange(t, dtype=jnp.int32)
-    # compare_all: no loop. The default "scan" is a while loop of log2(G) launches per plan (108 tiny
-    # kernels per 12-layer decode step on the H200 profile); T x G compares cost less.
-    tile_group = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all").astype(jnp.int32)
-    tile_group = jnp.where(tile_ids < tile_end[-1], tile_group, -1)
-    return TilePlan(row_src=row_src, tile_group=tile_group, dest_m=dest, valid_m=valid, sorted_pos=sorted_pos,
-                    sorted_m=sorted_m)
+    tile_group = jnp.sum(tile_end[None, :] <= tile_ids[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(tile_ids < tile_end[-1], tile_group, -1)
+
+
+# Up to this many rows the plan is built from all-pairs compares (M x M, T*block_m x M) instead of a sort
+# and scatters: the same plan with no sort, scatter or in-place copy, which at decode (384 routed rows)
+# were ~13 launches of a few microseconds each per MoE layer. 1024 rows: at most ~4M compares per pass.
+COMPARE_PLAN_ROWS = 1024
+
+
+def _plan_by_compares(key: jax.Array, valid: jax.Array, num_groups: int, block_m: int, t: int) -> TilePlan:
+    """``make_tile_plan`` for small M, every field the same: each row's place in the stable group order
+    is (rows of lower groups) + (earlier rows of its own group), counted by compares; each padded row's
+    source is the one row placed there."""
+    m = key.shape[0]
+    rows = jnp.arange(m, dtype=jnp.int32)
+    counts_all = jnp.sum(key[None, :] == jnp.arange(num_groups + 1, dtype=jnp.int32)[:, None], axis=1,
+                         dtype=jnp.int32)                          # [G+1], the invalid rows last
+    rank = jnp.sum((key[None, :] == key[:, None]) & (rows[None, :] < rows[:, None]), axis=1, dtype=jnp.int32)
+    counts = counts_all[:num_groups]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles, dtype=jnp.int32)
+    sorted_m = (jnp.cumsum(counts_all, dtype=jnp.int32) - counts_all)[key] + rank
+    g = jnp.minimum(key, num_groups - 1)
+    dest = jnp.where(valid, (tile_end - tiles)[g] * block_m + rank, 0)
+    sorted_pos = jnp.sum(jnp.where(sorted_m[None, :] == rows[:, None], dest[None, :], 0), axis=1, dtype=jnp.int32)
+    padded = jnp.arange(t * block_m, dtype=jnp.int32)
+    row_src = jnp.min(jnp.where(valid[None, :] & (dest[None, :] == padded[:, None]), rows[None, :], m), axis=1)
+    return TilePlan(row_src=row_src, tile_group=_tile_groups(tile_end, t), dest_m=dest, valid_m=valid,
+                    sorted_pos=sorted_pos, sorted_m=sorted_m)
 
 
 def gather_rows(x_mk: jax.Array, plan: TilePlan) -> jax.Array:
