@@ -66,7 +66,8 @@ class GroupedMatmulConfig:
     consumers: consumer warpgroups per CTA (2 or 4), each owning block_n / consumers weight rows (a
         multiple of 64, the wgmma M granule). 4 gives each scheduler twice the consumer warps to hide
         the dequantization's latency with, at 112 registers a thread instead of 232 (the register file
-        is shared). Each weight row is computed alike either way, so the same bits.
+        is shared). Each weight row is computed alike either way, so the same bits. Experimental: 4
+        has not returned on the GPU yet (H200 and H100, 2026-12-05; the interpreter runs it).
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 
