@@ -29,7 +29,7 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Nume
                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
                          unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows,
                          bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None,
-                         rows_local=None if parallel is None else parallel.batch_local)
+                         rows_local=getattr(parallel, "batch_local", None) if route == "op" else None)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
@@ -51,7 +51,9 @@ def block_step(p: dict, cfg: ModelConfig, plan: LayerPlan, x_bthd: jax.Array, ca
     pre, and the FFN site's pre is carried to the next block. V4 (cfg.delayed_pre_mhc off): each site
     collapses with its own pre; the carried pre is unused (None is fine).
 
-    parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None.
+    parallel: a ``parallel.ParallelContext`` (mesh-parallel attention and routed experts) or None; any
+    object with its ``attention`` and ``routed_experts`` methods will do (notebooks record selections
+    that way), ``batch_local`` being optional.
     tokens_bt: the token ids, needed by hash-routed MoE layers (V4's first num_hash_layers)."""
     dt = numerics.dtype
     eps = cfg.rms_norm_eps
