@@ -236,13 +236,6 @@ def _filter_keep(xs_bv, alive_bv, top_k_b, top_p_b, min_p_b, run):
 TOPK_BLOCK = 1024
 
 
-def _total_order_key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 in the total order ``lax.top_k`` ranks by (-0.0 below +0.0, NaN above +inf),
-    unlike ``order_key``, which folds -0.0 into +0.0."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
 def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[jax.Array, jax.Array]:
     """``lax.top_k`` over the last axis (ties: lower index first), in stages over blocks of ``block``
     columns: the k blocks with the largest maxima, the top k of each of those, then the top k of those
@@ -264,7 +257,7 @@ def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[j
     xp = jnp.pad(x_bv, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
     kb = min(k, nb)
     # block maxima in lax.top_k's own order (a float max would tie -0.0 with +0.0); ties: lower block
-    _, blocks_bj = jax.lax.top_k(jnp.max(_total_order_key(xp), axis=-1), kb)
+    _, blocks_bj = jax.lax.top_k(jnp.max(_order_key(xp, fold_signed_zeros=False), axis=-1), kb)
     blocks_bj = jnp.sort(blocks_bj, axis=-1)
     val_bjk, idx_bjk = jax.lax.top_k(jnp.take_along_axis(xp, blocks_bj[:, :, None], axis=1), k)
     idx_bjk = idx_bjk + blocks_bj[:, :, None] * block

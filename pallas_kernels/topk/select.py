@@ -36,9 +36,11 @@ def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS
     return true_columns(keep, k)
 
 
-def order_key(x_v: jax.Array) -> jax.Array:
-    """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0)."""
-    bits = jax.lax.bitcast_convert_type(x_v + 0.0, jnp.uint32)
+def order_key(x_v: jax.Array, fold_signed_zeros: bool = True) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0).
+    fold_signed_zeros=False keeps -0.0 below +0.0: the total order ``lax.top_k`` ranks by (NaN above
+    +inf either way)."""
+    bits = jax.lax.bitcast_convert_type(x_v + 0.0 if fold_signed_zeros else x_v, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
