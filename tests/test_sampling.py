@@ -253,6 +253,19 @@ def test_a_row_never_depends_on_its_slot_or_neighbours(sampler, monkeypatch):
     assert sampler == "invariant", "the batch-shifted variant passed the invariance check"
 
 
+def test_order_key_folds_signed_zeros_inside_jit_too():
+    """The sampler's thresholds tie -0.0 with +0.0 (equal values: lower id first) in the jitted step as
+    well: ``x + 0.0`` did the folding eagerly, but XLA simplifies that add away under jit."""
+    from pallas_kernels.topk.select import order_key
+
+    x = jnp.asarray([-0.0, 0.0, -1.0, 1.0, -np.inf, np.inf], jnp.float32)
+    for f in (order_key, jax.jit(order_key)):
+        key = np.asarray(f(x))
+        assert key[0] == key[1] and key[4] < key[2] < key[0] < key[3] < key[5]
+    unfolded = np.asarray(jax.jit(lambda a: order_key(a, fold_signed_zeros=False))(x))
+    assert unfolded[0] + 1 == unfolded[1]
+
+
 @pytest.mark.parametrize("v", [129280, 10_001, 8 * 1024])
 def test_top_k_by_blocks_is_lax_top_k_bit_for_bit(v):
     """The block-wise top-k of the logprobs gives lax.top_k's values and indices, ties (lower index

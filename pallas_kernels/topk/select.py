@@ -24,7 +24,7 @@ def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS
     Same picks as ``pallas_kernels.topk.topk_indices``; 32 / bits_per_pass counting passes and two
     prefix sums a row."""
     x = scores.astype(jnp.float32)
-    key = jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(jnp.where(x == 0, jnp.float32(0), x)))
+    key = jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(x))
     reachable = key > _NEG_INF_KEY
     need = jnp.int32(k)
     rows = key.reshape(-1, key.shape[-1])
@@ -40,7 +40,9 @@ def order_key(x_v: jax.Array, fold_signed_zeros: bool = True) -> jax.Array:
     """float32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 folded into +0.0).
     fold_signed_zeros=False keeps -0.0 below +0.0: the total order ``lax.top_k`` ranks by (NaN above
     +inf either way)."""
-    bits = jax.lax.bitcast_convert_type(x_v + 0.0 if fold_signed_zeros else x_v, jnp.uint32)
+    if fold_signed_zeros:   # (not x + 0.0: XLA's simplifier drops that add under jit, -0.0 and all)
+        x_v = jnp.where(x_v == 0, jnp.zeros_like(x_v), x_v)
+    bits = jax.lax.bitcast_convert_type(x_v, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
