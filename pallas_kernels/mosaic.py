@@ -14,6 +14,35 @@ def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
 
 
+# setmaxnreg shares out registers the CTA got at launch; it cannot take more. ptxas sizes the launch
+# for ``.maxntid`` threads at the most each may have: per warp in units of 256 registers (8 a thread),
+# all warps within the SM's 65,536. An ``increase`` the pool cannot meet waits forever.
+_SM_REGISTERS = 65_536
+_REGISTERS_PER_THREAD_UNIT = 8
+_MAX_REGISTERS_PER_THREAD = 256
+
+
+def launch_register_pool(warpgroups: int) -> int:
+    """Registers a CTA of ``warpgroups`` x 128 threads holds at launch, with each thread at its most."""
+    threads = 128 * warpgroups
+    per_thread = _SM_REGISTERS // threads // _REGISTERS_PER_THREAD_UNIT * _REGISTERS_PER_THREAD_UNIT
+    return threads * min(per_thread, _MAX_REGISTERS_PER_THREAD)
+
+
+def consumer_registers(consumers: int, producers: int, producer_registers: int) -> int:
+    """The most registers a consumer thread can ``set_max_registers(..., "increase")`` to, once each of
+    the ``producers`` warpgroups has decreased to ``producer_registers``: what is left of the launch pool,
+    in setmaxnreg's multiples of 8 (24..256). 2 consumers + 1 producer at 40: 232; 4 + 1 at 40: 104 (the
+    pool is 640 x 96 registers there, not the SM's 65,536: asking 112 hung the kernel)."""
+    pool = launch_register_pool(consumers + producers)
+    left = (pool - 128 * producers * producer_registers) // (128 * consumers)
+    regs = min(left // _REGISTERS_PER_THREAD_UNIT * _REGISTERS_PER_THREAD_UNIT, _MAX_REGISTERS_PER_THREAD)
+    if regs < 24:
+        raise ValueError(f"{consumers} consumer and {producers} producer warpgroups at {producer_registers} "
+                         f"registers leave {left} a consumer thread; setmaxnreg needs >= 24")
+    return regs
+
+
 def run_warpgroups(consumer: Callable[[int], None], producers: Sequence[Callable[[], None]],
                    consumers: int = 2) -> None:
     """The kernels' roles: ``consumer(j)`` on warpgroup j for j < consumers, then ``producers[i]()``

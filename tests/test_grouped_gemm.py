@@ -506,6 +506,26 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
     np.testing.assert_allclose(np.asarray(pers), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_consumer_registers_fit_the_launch_pool():
+    """setmaxnreg can only share out what the CTA got at launch (threads x the most a thread may have,
+    in units of 8): 2 consumers + 1 producer at 40 give the 232 that ran on the H200 (so do 2 + 2 at
+    24, the attention kernel's), and 4 + 1 at 40 must ask less than the 112 that hung the kernel on an
+    H100 and an H200: their sum was 62,464 of a 61,440 pool."""
+    from pallas_kernels.mosaic import consumer_registers, launch_register_pool
+
+    assert launch_register_pool(3) == 384 * 168 and launch_register_pool(5) == 640 * 96
+    assert consumer_registers(2, 1, 40) == 232 and consumer_registers(2, 2, 24) == 232
+    for consumers, producers, prod in ((2, 1, 40), (2, 2, 24), (4, 1, 40), (4, 1, 24), (3, 1, 40)):
+        regs = consumer_registers(consumers, producers, prod)
+        assert regs % 8 == 0 and 24 <= regs <= 256
+        pool = launch_register_pool(consumers + producers)
+        assert 128 * (consumers * regs + producers * prod) <= pool
+        assert 128 * (consumers * (regs + 8) + producers * prod) > pool or regs == 256   # the most that fits
+    assert 128 * (4 * 112 + 40) > launch_register_pool(5)
+    with pytest.raises(ValueError, match="setmaxnreg"):
+        consumer_registers(7, 1, 400)    # 14,336 registers left for 896 consumer threads
+
+
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
 def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
     """``consumers=4`` (64 weight rows per consumer warpgroup) computes every weight row as the

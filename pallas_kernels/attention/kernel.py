@@ -68,6 +68,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
     [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
     window rows."""
     fp4 = win_blocks is not None
+    producer_regs = 24 if n_producers == 2 else 40    # two producers: 232 a consumer still fits the pool
     if fp4 and n_producers != 1:
         raise ValueError("the FP4 kernel has one producer warpgroup")
     h, d = HEAD_GROUP, head_dim
@@ -120,7 +121,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
             plgpu.barrier_wait(xbar)
 
         def consumer(half: int):
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(mosaic.consumer_registers(2, n_producers, producer_regs), action="increase")
             rows = pl.ds(half * _HALF_ROWS, _HALF_ROWS)
             plgpu.barrier_wait(q_bar)
             plgpu.barrier_wait(idx_bar)
@@ -262,7 +263,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         def producer(halves: tuple[int, ...]):
             # With two producer warpgroups each issues one landing slot's rows. (How the rows are issued
             # does not set the kernel's speed: on the H200 every ``row_issue`` timed alike, README.md.)
-            plgpu.set_max_registers(24 if n_producers == 2 else 40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             if 0 in halves:
                 for c in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[n, :, pl.ds(c * dh, dh)], q_smem.at[c], q_bar)

@@ -65,9 +65,10 @@ class GroupedMatmulConfig:
         sector, which Mosaic GPU refuses; bf16 outputs keep y^T.
     consumers: consumer warpgroups per CTA (2 or 4), each owning block_n / consumers weight rows (a
         multiple of 64, the wgmma M granule). 4 gives each scheduler twice the consumer warps to hide
-        the dequantization's latency with, at 112 registers a thread instead of 232 (the register file
-        is shared). Each weight row is computed alike either way, so the same bits. Experimental: 4
-        has not returned on the GPU yet (H200 and H100, 2026-12-05; the interpreter runs it).
+        the dequantization's latency with, at 104 registers a thread instead of 232 (what is left of
+        the launch's 640 x 96 registers: ``mosaic.consumer_registers``). Each weight row is computed
+        alike either way, so the same bits. Experimental: its first form asked for 112, more than the
+        launch holds, and hung on the GPU; this one has not run on a GPU yet.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     """
 

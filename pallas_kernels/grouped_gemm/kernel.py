@@ -50,13 +50,11 @@ from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_r
                                               scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
-from pallas_kernels.mosaic import run_warpgroups, tiled
+from pallas_kernels.mosaic import consumer_registers, run_warpgroups, tiled
 
 _HALF = SCALE_BLOCK // 2
 _PTX_MODES = ("packed", "subnormal")     # FP4 decoders written in inline PTX (GPU only)
-# Registers a consumer thread asks for (setmaxnreg: a multiple of 8), by consumer warpgroups per CTA:
-# 2 x 128 x 232 + 128 x 40 and 4 x 128 x 112 + 128 x 40 both fit the SM's 65,536.
-_CONSUMER_REGISTERS = {2: 232, 4: 112}
+_PRODUCER_REGISTERS = 40     # the producer only issues TMA copies and waits
 
 
 def _e8m0_row_to_f32(s_u8):
@@ -207,7 +205,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     fn(k, nt, t, grp)
 
         def producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
             def load(k, nt, t, grp):
                 n_rows, m_rows = pl.ds(nt * bn, bn), pl.ds(t * bm, bm)
@@ -236,8 +234,8 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     plgpu.barrier_wait(empty.at[s])
 
         def consumer(half: int):   # half: this consumer's index (of cfg.consumers)
-            # the register file (64K) shared out: the producer keeps 40 a thread, the consumers the rest
-            plgpu.set_max_registers(_CONSUMER_REGISTERS[n_cons], action="increase")
+            # the launch's registers shared out: the producer keeps 40 a thread, the consumers the rest
+            plgpu.set_max_registers(consumer_registers(n_cons, 1, _PRODUCER_REGISTERS), action="increase")
             rows = pl.ds(half * wg_rows, wg_rows)
 
             def compute(k, nt, t, grp):

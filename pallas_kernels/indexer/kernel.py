@@ -26,7 +26,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.indexer.config import QUERY_ROWS, IndexScoresConfig, kernel_unsupported_reason
-from pallas_kernels.mosaic import run_warpgroups, tiled
+from pallas_kernels.mosaic import consumer_registers, run_warpgroups, tiled
 
 
 def _build(b: int, h: int, t_tiles: int, s_pad: int, d: int, cfg: IndexScoresConfig):
@@ -69,7 +69,7 @@ def _build(b: int, h: int, t_tiles: int, s_pad: int, d: int, cfg: IndexScoresCon
             plgpu.wait_smem_to_gmem(0)
 
         def consumer(half: int):
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_registers(2, 1, 40), action="increase")
             rows = pl.ds(half * QUERY_ROWS, QUERY_ROWS)
             zeros = plgpu.layout_cast(jnp.zeros((QUERY_ROWS, bs), jnp.float32), plgpu.Layout.WGMMA)
 
