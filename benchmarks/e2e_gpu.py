@@ -587,7 +587,7 @@ def with_decode_block_m(block_m: int) -> None:
     def patched(p_lin, m_rows, numerics):
         cfg = tile_config(p_lin, m_rows, numerics)
         fmt = moe._expert_format(p_lin)
-        if tile_phase(m_rows, p_lin["weight"].shape[0], fmt) == "decode":
+        if tile_phase(m_rows, moe._weight_shape(p_lin)[0], fmt) == "decode":
             cfg = dataclasses.replace(cfg, block_m=block_m)
         return cfg
     moe._tile_config = patched
@@ -618,6 +618,9 @@ def main(argv=None):
     ap.add_argument("--decode-block-m", type=int, default=None,
                     help="token rows per tile of the decode-phase expert GEMMs (default: the tuned table's, 8 "
                     "below 2 rows per expert, else 16); an A/B")
+    ap.add_argument("--row-major-experts", action="store_true",
+                    help="keep the expert weights in the checkpoint's layout instead of the kernel's tile-major "
+                    "one (moe.prepare_experts_tile_major): an A/B (same bits)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -660,9 +663,14 @@ def main(argv=None):
         with_decode_block_m(args.decode_block_m)
     RESULTS["decode_block_m"] = args.decode_block_m
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
+    tile_major = False
     stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     if experts_run_kernel(numerics):     # as the engine (LLM) does at load on the GPU path
-        params, numerics = prepare_experts_for_kernel(params, numerics)
+        # (the XLA-only section reads the stored layout: keep it, and the memory for both, only then)
+        tile_major = params_xla is None and not args.row_major_experts
+        params, numerics = prepare_experts_for_kernel(params, numerics, tile_major=tile_major,
+                                                      donate=params_xla is None)
+    RESULTS["experts_tile_major"] = experts_run_kernel(numerics) and tile_major
         params = dequantize_dense_fp8(params)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)

@@ -52,7 +52,8 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, WeightFormat, fit_stages, tuned_config  # noqa: E402
+from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, fit_stages, tile_major_weights,  # noqa: E402
+                                                tuned_config)
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
 from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 from timing import cupti_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
@@ -473,7 +474,7 @@ def _():
                         jax.lax.bitcast_convert_type(y, jnp.uint16), jax.lax.bitcast_convert_type(y_old, jnp.uint16)))
                     if y_old is None:
                         y_old = y
-                    total_ms, kern_ms = kernel_times_ms(f, x, gid, w, s, iters=iters)
+                    total_ms, kern_ms = kernel_times_ms(f, x, gid, w_cfg, s, iters=iters)
                 except Exception as e:  # noqa: BLE001
                     out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                     TABLE.append(f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s} ERROR {type(e).__name__}")
@@ -492,6 +493,7 @@ def _cfg(bm, bn, bk, stages, **extra):
 
 _SUB, _PERS, _NOSW = dict(fp4_dequant="subnormal"), dict(persistent=True), dict(swizzle_weights=False)
 _PS = {**_PERS, **_SUB}
+_TM = dict(weights_tile_major=True)
 
 
 # (format, phase, tokens, configs): the first config of each case is the reference for the bitwise
@@ -591,6 +593,20 @@ _SWEEP_ROUNDS = {
         (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8, **_PS), _cfg(16, 256, 128, 8, **_PS, consumers=4))),
         (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS), _cfg(64, 256, 128, 4, **_PS, consumers=4))),
     ),
+    # Round 9 (2026-12-05, session 17): ncu (H100) on the FP4 decode kernel: DRAM 62 % of peak, L2 72 %,
+    # issue slots 53 % busy with 2 consumers and 60 % with 4, at the same 0.775 ms: not the consumers. Each
+    # K step reads 256 row pieces of 64 bytes, 2,560 bytes apart; FP8 (128-byte pieces) and bf16 (256)
+    # reached 81-82 % of copy. Tile-major weights (``weights_tile_major``, "-tm": each step one contiguous
+    # 16 KB run) and 128-byte pieces (block_k 256) against the stored layout.
+    "9": (
+        (WeightFormat.FP4, "decode", 64, (_cfg(8, 256, 128, 8, **_PS), _cfg(8, 256, 128, 8, **_PS, **_TM),
+                                        _cfg(8, 256, 256, 5, **_PS), _cfg(8, 256, 256, 5, **_PS, **_TM),
+                                        _cfg(8, 256, 128, 8, **_PS, **_TM, consumers=4),
+                                        _cfg(8, 256, 128, 12, **_PS, **_TM))),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8, **_PS), _cfg(16, 256, 128, 8, **_PS, **_TM))),
+        (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS), _cfg(64, 256, 128, 4, **_PS, **_TM))),
+        (WeightFormat.FP4, "prefill", 32768, (_cfg(128, 256, 64, 8, **_PS), _cfg(128, 256, 64, 8, **_PS, **_TM))),
+    ),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
 
@@ -613,21 +629,23 @@ def _():
             name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
             name += "-sub" * (cfg.fp4_dequant == "subnormal" and fmt is WeightFormat.FP4) + "-pers" * cfg.persistent
             name += "-nosw" * (not cfg.swizzle_weights) + "-yT" * (not cfg.out_rows) + "-c4" * (cfg.consumers == 4)
+            name += "-tm" * cfg.weights_tile_major
             key = f"{fmt.value}/{phase}{tokens}/{name}"
             if left() < 10:
                 out[key] = "skipped (time)"
                 continue
+            w_cfg = tile_major_weights(w, cfg.block_n, cfg.block_k) if cfg.weights_tile_major else w
             f = lambda x, g, w, s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, out_dtype=jnp.float32, config=cfg)  # noqa: E731
             t_first = time.time()
             try:
-                y = jax.block_until_ready(f(x, gid, w, s))
+                y = jax.block_until_ready(f(x, gid, w_cfg, s))
                 first_s = time.time() - t_first
                 same = None if y_ref is None else bool(jnp.array_equal(
                     jax.lax.bitcast_convert_type(y, jnp.uint32), jax.lax.bitcast_convert_type(y_ref, jnp.uint32)))
                 if y_ref is None:
                     y_ref = y
                 del y
-                total_ms, kern_ms = kernel_times_ms(f, x, gid, w, s, iters=iters)
+                total_ms, kern_ms = kernel_times_ms(f, x, gid, w_cfg, s, iters=iters)
             except Exception as e:  # noqa: BLE001 - one config failing must not end the sweep
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 TABLE.append(f"sweep {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:23s} ERROR {type(e).__name__}")
@@ -637,7 +655,7 @@ def _():
                                      active, total_ms, kern_ms, ceil_copy, "first", same, first_call_s=first_s)
             RESULTS["sections"]["sweep (partial)"] = out      # kept if a later config hangs the call
             save()
-        del y_ref
+        del y_ref, w_cfg
         if phase != "decode" and left() > 15 and not INTERPRET:
             dense = dense_tflops(m)
             out[f"dense_bf16_tflops/{tokens}"] = dense

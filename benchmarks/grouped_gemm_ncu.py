@@ -13,7 +13,8 @@ reasons, the samples' share per 100-instruction window of the code, shared-memor
 (on 2026-12-04 the producer's barrier-wait branch), and, given the kernel's weight element count,
 thread-instructions per weight element.
 
-Cases (argv, in launch order): fp4-decode / fp8-decode (64 tokens x top-6) and fp4-prefill (8k x 6)
+Cases (argv, in launch order): fp4-decode / fp8-decode (64 tokens x top-6), fp4-decode-c4 (4 consumer
+warpgroups) and fp4-prefill (8k x 6)
 at the V4.1-Flash expert shape (hidden 5120 -> width 2304, 384 experts), each with the model's tile
 config (``tuned_config``). Each case compiles, runs once to warm up (outside the profiled kernel
 count only if --launch-skip says so: the warm-up is the case's first Mosaic launch) and once more.
@@ -30,12 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.grouped_gemm.config import WeightFormat, tuned_config  # noqa: E402
+from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, WeightFormat, tuned_config  # noqa: E402
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
 
 K, N, G, TOP_K = 5120, 2304, 384, 6
 CASES = {"fp4-decode": (WeightFormat.FP4, 64), "fp8-decode": (WeightFormat.FP8, 64),
-         "fp4-prefill": (WeightFormat.FP4, 8192)}
+         "fp4-prefill": (WeightFormat.FP4, 8192), "fp4-decode-c4": (WeightFormat.FP4, 64)}
+# The model decodes FP4 with "subnormal" when the scales allow it (these do: bytes 118-121), as moe does.
+BASES = {"fp4-decode-c4": GroupedMatmulConfig(block_n=256, fp4_dequant="subnormal", consumers=4)}
+_MODEL_BASE = GroupedMatmulConfig(fp4_dequant="subnormal")
 
 
 def weights(fmt: WeightFormat):
@@ -55,7 +59,7 @@ def main(names: list[str]) -> None:
         gid = jnp.argsort(jax.random.uniform(jax.random.key(tokens), (tokens, G)), axis=1)[:, :TOP_K]
         gid = gid.reshape(-1).astype(jnp.int32)
         x = jax.random.normal(jax.random.key(tokens + 1), (m, K), jnp.bfloat16)
-        cfg = tuned_config(m, G, N, K, fmt, jnp.float32)
+        cfg = tuned_config(m, G, N, K, fmt, jnp.float32, base=BASES.get(name, _MODEL_BASE))
         print(name, cfg, flush=True)
         for _ in range(2):
             jax.block_until_ready(grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=cfg))

@@ -306,8 +306,9 @@ def matmul_macs_per_token(cfg: ModelConfig, params) -> float:
         if "engram" in layer:
             macs += weights_2d({k: v for k, v in layer["engram"].items() if k != "embed"})
         w = layer["ffn"]["experts"]
-        per_expert = sum(math.prod(w[n]["weight"].shape[1:]) * (2 if w[n]["weight"].dtype == jnp.uint8 else 1)
-                         for n in ("w1", "w2", "w3"))  # packed FP4: two values a byte
+        held = [w[n].get("weight", w[n].get("weight_tm")) for n in ("w1", "w2", "w3")]   # either layout
+        per_expert = sum(math.prod(a.shape[1:]) * (2 if a.dtype == jnp.uint8 else 1)
+                         for a in held)  # packed FP4: two values a byte
         macs += cfg.num_experts_per_tok * per_expert
     return macs
 

@@ -759,3 +759,36 @@ def test_kernel_grid_of_exact_tiles_gives_the_bucketed_grids_bits():
     assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
     want = np.asarray(grouped_matmul_reference(x, w, gid, s))
     np.testing.assert_allclose(np.asarray(outs[0]), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_tile_major_weights_give_the_row_major_bits_in_gpu_interpreter(fmt):
+    """``weights_tile_major``: the kernel reading each K step's weight tile as one contiguous run of
+    ``tile_major_weights`` computes what it computes from the stored layout, bit for bit, in both
+    launches; a w of the wrong layout for the config is refused with its shape named."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm.config import tile_major_weights
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+
+    rng = np.random.default_rng(23)
+    g, n, k, m = 3, 256, 256, 21
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    with _interpret():
+        for persistent in (False, True):
+            base = dataclasses.replace(_TINY_CFG, persistent=persistent)
+            tiled_cfg = dataclasses.replace(base, weights_tile_major=True)
+            w_t = tile_major_weights(w, tiled_cfg.block_n, tiled_cfg.block_k)
+            assert w_t.ndim == 5 and w_t.shape[3] == tiled_cfg.block_n
+            want = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=base)
+            got = grouped_matmul_pallas(x, w_t, gid, s, out_dtype=jnp.float32, config=tiled_cfg)
+            assert np.array_equal(_bits(got), _bits(want)), persistent
+            # a K step reading half of each layout tile (the model's prefill tiles on its decode layout)
+            w_t2 = tile_major_weights(w, tiled_cfg.block_n, 2 * tiled_cfg.block_k)
+            got = grouped_matmul_pallas(x, w_t2, gid, s, out_dtype=jnp.float32, config=tiled_cfg)
+            assert np.array_equal(_bits(got), _bits(want)), (persistent, "half tiles")
+    assert not races_found()
+    with pytest.raises(ValueError, match="tile_major_weights"):
+        grouped_matmul_pallas(x, w, gid, s, config=dataclasses.replace(_TINY_CFG, weights_tile_major=True))

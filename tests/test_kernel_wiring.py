@@ -271,6 +271,37 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
     assert np.all(np.abs(np.asarray(y_int, np.float32) - np.asarray(y_ref, np.float32)) <= y_tol)
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_tile_major_expert_weights_change_no_bits(tiny_cfg):
+    """prepare_experts_tile_major (the engine's default on Hopper) holds each FP4 expert linear as the
+    kernel's tile-major layout: the kernel path (interpreter, its K steps reading half of each layout
+    tile) gives the stored layout's bits, the gather path lays the weights back to the same bits, the
+    tile config reads the layout's width, and ``donate`` consumes the input's weights."""
+    from pallas_kernels.grouped_gemm.config import TILE_MAJOR_TILE
+
+    rng = np.random.default_rng(9)
+    p = _moe_layer(rng, 256, 256, 4)           # N and K multiples of the 256 x 128 layout tile
+    prepared = moe_module.prepare_expert_scales(p)
+    tiled = moe_module.prepare_experts_tile_major(prepared)
+    for name in ("w1", "w3", "w2"):
+        assert "weight" not in tiled["experts"][name] and tiled["experts"][name]["weight_tm"].ndim == 5
+        assert moe_module._weight_shape(tiled["experts"][name]) == tuple(prepared["experts"][name]["weight"].shape)
+    cfg = moe_module._tile_config(tiled["experts"]["w1"], 6, Numerics.reference())
+    assert cfg.weights_tile_major and (cfg.block_n, 128 % cfg.block_k) == (TILE_MAJOR_TILE[0], 0)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    nq = Numerics("bfloat16", False, False)
+    ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
+    want = jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(
+        prepared["experts"], xm, ids, w, 10.0, nq, 32, "interpret"))(x))
+    got = jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(
+        tiled["experts"], xm, ids, w, 10.0, nq, 32, "interpret"))(x))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    gathered = routed_experts_gather(tiled["experts"], x, ids, w, 10.0, nq, 32)
+    assert np.array_equal(np.asarray(gathered), np.asarray(routed_experts_gather(p["experts"], x, ids, w, 10.0, nq, 32)))
+    moe_module.prepare_experts_tile_major(prepared, donate=True)
+    assert prepared["experts"]["w1"]["weight"].is_deleted()
+
+
 # ---- the whole tiny model -------------------------------------------------------------------------------
 
 def test_tiny_model_forward_through_the_ops_path_equals_the_model_path_fp32(tiny_params, tiny_cfg, tiny_token_map):

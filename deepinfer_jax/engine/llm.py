@@ -144,7 +144,7 @@ class LLM:
                              f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
         self.params = self._load(path, rules, progress)
         if experts_run_kernel(self.numerics):    # the GPU path: work done once instead of in every step
-            self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics)
+            self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics, donate=True)
             self.params = dequantize_dense_fp8(self.params)
         if mesh is None:
             self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,

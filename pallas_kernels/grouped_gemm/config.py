@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
@@ -70,6 +71,13 @@ class GroupedMatmulConfig:
         alike either way, so the same bits. Experimental: its first form asked for 112, more than the
         launch holds, and hung on the GPU; this one has not run on a GPU yet.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
+    weights_tile_major: the kernel reads w as ``tile_major_weights(w, block_n, block_k)``: [G, N/block_n,
+        K/block_k, block_n, block_k bytes] (a K step may read a part of a tile's rows: its block_k bytes must
+        divide the layout's), so each K step's weight tile is one contiguous run (16 KB for
+        FP4 256 x 128) instead of block_n row pieces of block_k bytes (64 B for FP4) a row apart. Why: ncu
+        on the FP4 decode kernel (H100, 2026-12-05) had DRAM at 62 % of peak and L2 at 72 % with the
+        issue slots half idle, 2 or 4 consumers alike; FP8 (128-byte row pieces) and bf16 (256) reached
+        81-82 % of copy. Same values, so the same bits. The op's caller holds the re-laid weights.
     """
 
     block_m: int = 64
@@ -87,6 +95,7 @@ class GroupedMatmulConfig:
     out_rows: bool = True
     consumers: int = 2
     xla_block_m: int = 8
+    weights_tile_major: bool = False
 
     def __post_init__(self):
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -105,6 +114,36 @@ class GroupedMatmulConfig:
             raise ValueError(f"fp4_dequant={self.fp4_dequant!r} must be one of {FP4_DEQUANT_MODES}")
         if self.xla_block_m < 1:
             raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
+
+
+# The tile-major FP4 layout the model holds its experts in (``moe.prepare_experts_tile_major``): every
+# FP4 decode and chunk tile reads a 256 x 128 tile whole, the prefill tiles (block_k 64) half of it.
+TILE_MAJOR_TILE = (256, 128)
+
+
+def tile_major_weights(w: jax.Array, block_n: int, block_k: int) -> jax.Array:
+    """w [G, N, Kw] as stored (Kw = K/2 bytes for packed FP4) -> [G, N/block_n, K/block_k, block_n,
+    block_k's bytes]: the layout ``weights_tile_major`` kernels read. A load-time copy."""
+    g, n, kw = w.shape
+    kb = block_k // 2 if w.dtype == jnp.uint8 else block_k
+    if n % block_n or kw % kb:
+        raise ValueError(f"w {tuple(w.shape)} does not split into {block_n} x {kb} tiles")
+    return w.reshape(g, n // block_n, block_n, kw // kb, kb).transpose(0, 1, 3, 2, 4)
+
+
+def row_major_shape(w, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
+    """The [G, N, Kw] shape of the stored weights w stands for (its own shape unless tile-major)."""
+    if not cfg.weights_tile_major:
+        return tuple(w.shape)
+    if w.ndim != 5 or w.shape[3] != cfg.block_n:
+        raise ValueError(f"weights_tile_major needs w as [G, N/block_n, K/block_k, block_n={cfg.block_n}, "
+                         f"block_k bytes] (tile_major_weights), got shape {tuple(w.shape)}")
+    g, nb, kb, bn, kbytes = w.shape
+    step = cfg.block_k // 2 if w.dtype == jnp.uint8 else cfg.block_k
+    if kbytes % step:
+        raise ValueError(f"tile-major w has {kbytes}-wide K tiles; block_k={cfg.block_k} reads {step} at a "
+                         "time, which must divide them")
+    return g, nb * bn, kb * kbytes
 
 
 def writes_rows(cfg: GroupedMatmulConfig, out_dtype) -> bool:
@@ -264,13 +303,16 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
                  base: GroupedMatmulConfig = GroupedMatmulConfig()) -> GroupedMatmulConfig:
     """The measured-fastest kernel config for M rows over G groups of [N, K] weights.
 
-    A pure function of static shapes: a jitted step of fixed shape always runs one config. Falls back
-    to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
+    A pure function of static shapes: a jitted step of fixed shape always runs one config. With
+    ``base.weights_tile_major`` only the candidates that read base's weight layout (its block_n, a
+    block_k dividing base's) count. Falls back to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
     Fields other than the tile shape and the launch (dequant mode, XLA tile) are taken from ``base``."""
     phase = tile_phase(m_rows, num_groups, fmt)
     cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
     if phase == "decode" and m_rows < FEW_ROWS_PER_GROUP * num_groups:
         cands = _FEW_ROWS_CANDIDATES.get(fmt, ()) + cands
+    if base.weights_tile_major:     # the weights' layout fixes block_n and the K tile a step can read
+        cands = tuple(c for c in cands if c[1] == base.block_n and base.block_k % c[2] == 0)
     for bm, bn, bk, st in cands:
         cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st,
                                              persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)

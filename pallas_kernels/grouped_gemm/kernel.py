@@ -45,7 +45,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
-                                                kernel_unsupported_reason, writes_rows)
+                                                kernel_unsupported_reason, row_major_shape, writes_rows)
 from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_rows, make_tile_plan, max_tiles,
                                               scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
@@ -105,13 +105,16 @@ def _interpreting() -> bool:
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
-def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype):
+def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype,
+           w_tile_bytes: int | None = None):
+    """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_cons = cfg.consumers
     wg_rows = bn // n_cons
     n_steps = k // bk
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
+    steps_per_tile = (w_tile_bytes or bk_bytes) // bk_bytes
     x_swizzle = 64 if quant else 128      # quantized: B is sliced per 32-column scale block
     x_transforms = tiled(x_swizzle, 2)
     w_dtype = {WeightFormat.BF16: jnp.bfloat16, WeightFormat.FP8: jnp.float8_e4m3fn,
@@ -219,8 +222,14 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
                     plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
-                    plgpu.copy_gmem_to_smem(w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)], w_smem.at[slot],
-                                            full.at[slot])
+                    if not cfg.weights_tile_major:
+                        w_tile = w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)]
+                    elif steps_per_tile == 1:
+                        w_tile = w_ref.at[grp, nt, i]
+                    else:      # this step's columns of the layout's wider tile
+                        w_tile = w_ref.at[grp, nt, lax.div(i, steps_per_tile), :,
+                                          pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
+                    plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], full.at[slot])
                     if quant:
                         plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * (bk // SCALE_BLOCK), bk // SCALE_BLOCK),
                                                          n_rows], s_smem.at[slot], full.at[slot])
@@ -380,6 +389,7 @@ _kernel_scales_jit = jax.jit(kernel_scales, static_argnames=("fmt", "n"))
 def _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared: bool, config: GroupedMatmulConfig, out_dtype,
                      caller: str) -> tuple[WeightFormat, int, int, jax.Array | None]:
     """Checks the inputs and the config against the kernel -> (format, G, N, scales in the kernel layout)."""
+    w = jax.ShapeDtypeStruct(row_major_shape(w, config), w.dtype)   # (checked as the stored layout)
     if scales_prepared:
         if w_scale is None:
             raise ValueError("scales_prepared=True needs a w_scale in the kernel layout [G, K/32, N]")
@@ -493,7 +503,8 @@ def _unpermute(y_np, plan, *, out_dtype):
 def _run_kernel(tile_group, x_pk, w, s_kernel, *, fmt, config, out_dtype):
     """The kernel alone: tile_group [T], x_pk [T*block_m, K] -> y [T*block_m, N] (y^T [N, T*block_m]
     unless ``writes_rows(config, out_dtype)``)."""
-    n = w.shape[1]
-    call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype)
+    n = row_major_shape(w, config)[1]
+    call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype,
+                  w.shape[4] if config.weights_tile_major else None)
     args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,))
     return call(*args)
