@@ -165,6 +165,9 @@ _DEFAULT_TABLE: dict[str, tuple[str, ...]] = {
     "window": (),  # sliding-window ring slots
     "cache_seq": (),  # compressed-KV entries
     "kv_store": (),  # a stored KV row (values or scales)
+    # the grouped GEMM's tile-major expert weights [G, N/256, K/128, 256, 64] (moe.prepare_experts_tile_major)
+    "tile_rows": (),
+    "tile_bytes": (),
 }
 
 
@@ -315,6 +318,9 @@ def _block_leaf_axes(rel: str) -> tuple[str, ...] | None:
     if leaf == "scale_kn" and len(_LINEAR_AXES.get(head, ())) == 3:     # kernel-layout expert scales [G, K/32, N]
         g_axis, n_axis, k_axis = _LINEAR_AXES[head]
         return (g_axis, k_axis, n_axis)
+    if leaf == "weight_tm" and len(_LINEAR_AXES.get(head, ())) == 3:    # tile-major expert weights
+        g_axis, n_axis, k_axis = _LINEAR_AXES[head]
+        return (g_axis, n_axis, k_axis, "tile_rows", "tile_bytes")
     return None
 
 

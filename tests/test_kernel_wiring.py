@@ -300,6 +300,14 @@ def test_tile_major_expert_weights_change_no_bits(tiny_cfg):
     assert np.array_equal(np.asarray(gathered), np.asarray(routed_experts_gather(p["experts"], x, ids, w, 10.0, nq, 32)))
     moe_module.prepare_experts_tile_major(prepared, donate=True)
     assert prepared["experts"]["w1"]["weight"].is_deleted()
+    # on a mesh the layout keeps the experts' split and nothing else (sharding rules by path)
+    from deepinfer_jax.sharding import DEFAULT_RULES, logical_axes
+
+    path = ("layers", 0, "ffn", "experts", "w1", "weight_tm")
+    axes = logical_axes(path)
+    assert axes == ("experts", "ffn", "embed", "tile_rows", "tile_bytes")
+    assert tuple(DEFAULT_RULES.spec(axes, "w1"))[1:] in ((), (None,) * 4)
+    assert tuple(DEFAULT_RULES.spec(axes, "w1"))[0] == tuple(DEFAULT_RULES.spec(("experts",), "e"))[0]
 
 
 # ---- the whole tiny model -------------------------------------------------------------------------------
