@@ -144,7 +144,10 @@ class LLM:
                              f"engram_compressed_vocab_size={self.cfg.engram_compressed_vocab_size}")
         self.params = self._load(path, rules, progress)
         if experts_run_kernel(self.numerics):    # the GPU path: work done once instead of in every step
-            self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics, donate=True)
+            # (on a mesh the routed experts run ParallelContext's local XLA path, which would lay tile-major
+            # weights back every step: they keep the checkpoint's layout there)
+            self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics,
+                                                                    tile_major=mesh is None, donate=True)
             self.params = dequantize_dense_fp8(self.params)
         if mesh is None:
             self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
