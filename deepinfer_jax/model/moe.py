@@ -101,6 +101,18 @@ def _expert_weights(p_lin: dict) -> tuple[jax.Array, jax.Array | None]:
     return w, p_lin.get("scale")
 
 
+def _map_expert_linears(params, fn):
+    """params with fn applied to every routed-expert linear dict (w1, w3, w2 of each MoE layer)."""
+    if isinstance(params, dict):
+        if "experts" in params and isinstance(params["experts"], dict):
+            params = dict(params, experts={k: fn(v) if k in ("w1", "w2", "w3") else v
+                                           for k, v in params["experts"].items()})
+        return {k: (v if k == "experts" else _map_expert_linears(v, fn)) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return type(params)(_map_expert_linears(v, fn) for v in params)
+    return params
+
+
 def prepare_expert_scales(params: dict) -> dict:
     """params with every routed-expert linear's E8M0 ``scale`` replaced by ``scale_kn``, the Pallas
     grouped GEMM's layout uint8 [G, K/32, N] (``pallas_kernels.grouped_gemm.scales``).
@@ -129,17 +141,7 @@ def prepare_expert_scales(params: dict) -> dict:
         out["scale_kn"] = s_kn
         return out
 
-    def walk(node):
-        if isinstance(node, dict):
-            if "experts" in node and isinstance(node["experts"], dict):
-                node = dict(node, experts={k: linear(v) if k in ("w1", "w2", "w3") else v
-                                           for k, v in node["experts"].items()})
-            return {k: (v if k == "experts" else walk(v)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return node
-
-    return walk(params)
+    return _map_expert_linears(params, linear)
 
 
 def _expert_linears(params):
@@ -200,17 +202,7 @@ def prepare_experts_tile_major(params: dict, donate: bool = False) -> dict:
         out["weight_tm"] = w_tm
         return out
 
-    def walk(node):
-        if isinstance(node, dict):
-            if "experts" in node and isinstance(node["experts"], dict):
-                node = dict(node, experts={k: linear(v) if k in ("w1", "w2", "w3") else v
-                                           for k, v in node["experts"].items()})
-            return {k: (v if k == "experts" else walk(v)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return node
-
-    return walk(params)
+    return _map_expert_linears(params, linear)
 
 
 def prepare_experts_for_kernel(params: dict, numerics: Numerics, *, tile_major: bool = True,
