@@ -474,7 +474,7 @@ def _():
                         jax.lax.bitcast_convert_type(y, jnp.uint16), jax.lax.bitcast_convert_type(y_old, jnp.uint16)))
                     if y_old is None:
                         y_old = y
-                    total_ms, kern_ms = kernel_times_ms(f, x, gid, w_cfg, s, iters=iters)
+                    total_ms, kern_ms = kernel_times_ms(f, x, gid, w, s, iters=iters)
                 except Exception as e:  # noqa: BLE001
                     out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                     TABLE.append(f"AB {fmt.value:4s} {phase:7s} {tokens:6d}x6 {name:20s} ERROR {type(e).__name__}")

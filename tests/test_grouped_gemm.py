@@ -374,6 +374,14 @@ def _interpret():
 # with the dequantized A tile staged through shared memory (a_from_registers=False); the register-A
 # variant that the GPU uses is covered by the lowering test below and by benchmarks/grouped_gemm_gpu.py.
 # 3 K steps through 2 stages exercise the ring's slot reuse and barrier phases.
+def _routed_problem(seed: int, fmt, g: int, n: int, k: int, m: int):
+    """(w, s, x [m, k] bf16, group ids [m] with dropped rows -1 and G) for the interpreter tests."""
+    rng = np.random.default_rng(seed)
+    w, s = _weights(rng, fmt, g, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    return w, s, x, jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+
+
 _TINY_CFG = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
 
 
@@ -491,11 +499,8 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
-    rng = np.random.default_rng(14)
     g, n, k, m = 3, 256, 192, 29
-    w, s = _weights(rng, fmt, g, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    w, s, x, gid = _routed_problem(14, fmt, g, n, k, m)
     with _interpret():
         grid = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_TINY_CFG)
         pers = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32,
@@ -535,11 +540,8 @@ def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
-    rng = np.random.default_rng(17)
     g, n, k, m = 3, 256, 128, 21
-    w, s = _weights(rng, fmt, g, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    w, s, x, gid = _routed_problem(17, fmt, g, n, k, m)
     two = dataclasses.replace(_TINY_CFG, block_n=256)
     with _interpret():
         for persistent, out_dtype in ((False, jnp.float32), (True, jnp.float32), (True, jnp.bfloat16)):
@@ -562,11 +564,8 @@ def test_row_output_gives_the_transposed_outputs_bits_in_gpu_interpreter(fmt, pe
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas, grouped_matmul_tiles, tile_rows
 
-    rng = np.random.default_rng(15)
     g, n, k, m = 3, 256, 128, 21
-    w, s = _weights(rng, fmt, g, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    w, s, x, gid = _routed_problem(15, fmt, g, n, k, m)
     rows_cfg = dataclasses.replace(_TINY_CFG, persistent=persistent)
     t_cfg = dataclasses.replace(rows_cfg, out_rows=False)
     assert rows_cfg.out_rows
@@ -771,11 +770,8 @@ def test_tile_major_weights_give_the_row_major_bits_in_gpu_interpreter(fmt):
     from pallas_kernels.grouped_gemm.config import tile_major_weights
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
-    rng = np.random.default_rng(23)
     g, n, k, m = 3, 256, 256, 21
-    w, s = _weights(rng, fmt, g, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    gid = jnp.asarray(rng.integers(-1, g + 1, m), jnp.int32)
+    w, s, x, gid = _routed_problem(23, fmt, g, n, k, m)
     with _interpret():
         for persistent in (False, True):
             base = dataclasses.replace(_TINY_CFG, persistent=persistent)
