@@ -256,18 +256,35 @@ def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, la
     return rows
 
 
-def steady_ms(step, steps: int) -> float:
-    """ms per step with the GPU never waiting on the host, as in the engine's loop (launch step N+1, then
-    read step N): every step is queued first, the clock starts when the first one is done and stops when
-    the last one is. The plain window (``ms_per_step_from_idle``) starts from an idle GPU, so it also
-    holds the first step's launch latency: the host takes ~4-5 ms to queue a decode step's ~1,300
-    kernels (session 15's timeline: a 4.5 ms idle gap in 3 traced steps), ~0.45 ms a step over 10."""
-    first = step()
-    outs = [step() for _ in range(steps)]
-    jax.block_until_ready(first)
-    t = time.perf_counter()
-    jax.block_until_ready(outs[-1])
-    return (time.perf_counter() - t) * 1e3 / steps
+def engine_loop_ms(step, steps: int) -> dict:
+    """ms per step as the engine's loop runs (queue step N+1, then wait for step N), from the slope between
+    a run of ``steps`` steps and one of ``2 * steps``: the first launch's fixed latency cancels, and a host
+    that cannot queue a step within the GPU's time for the one before shows up as it does in the engine.
+    Also the host's own time per step inside the jitted call (``queue_ms``): where it nears the step time,
+    the loop is host-bound.
+
+    Session 16's timer queued every step and started its clock when the first one finished; that moment
+    is only seen after the queuing loop returns, so every step the GPU ran while the host was still
+    queuing fell outside the clock (2026-12-05, H200: 20.4 ms/step from it against 27.1 from an idle GPU)."""
+
+    def run(n: int) -> tuple[float, float]:
+        jax.block_until_ready(step())
+        queued = 0.0
+        t0 = time.perf_counter()
+        prev = None
+        for _ in range(n):
+            t = time.perf_counter()
+            cur = step()
+            queued += time.perf_counter() - t
+            if prev is not None:
+                jax.block_until_ready(prev)
+            prev = cur
+        jax.block_until_ready(prev)
+        return time.perf_counter() - t0, queued / n
+
+    short, q_short = run(steps)
+    long, q_long = run(2 * steps)
+    return dict(ms=(long - short) * 1e3 / steps, queue_ms=(q_short + q_long) / 2 * 1e3)
 
 
 def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, label: str, steps: int, copy):
@@ -293,9 +310,11 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
                 tok = step()
             jax.block_until_ready(tok)
             ms_cold = (time.perf_counter() - t) * 1e3 / steps
-            ms = steady_ms(step, steps)
+            loop = engine_loop_ms(step, steps)
+            ms = loop["ms"]
             need = decode_bytes(m.cfg, m.stored, b, ctx, numerics.kv_quant)
             rec = dict(batch=b, context=ctx, ms_per_step=ms, ms_per_step_from_idle=ms_cold,
+                       host_queue_ms_per_step=loop["queue_ms"],
                        tokens_per_s=b / (ms * 1e-3), compile_s=compile_s,
                        compile_events=compile_events, bytes=need, peak_bytes=peak_bytes())
             if copy:
@@ -305,7 +324,7 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
                     f"bytes {need['total'] / 1e9:6.2f} GB")
             if copy:
                 line += f" = {rec['hbm_fraction']:.1%} of copy BW"
-            line += f" (from an idle GPU {ms_cold:.2f} ms/step)"
+            line += f" (from an idle GPU {ms_cold:.2f} ms/step; host queues a step in {loop['queue_ms']:.2f} ms)"
             log(line + f" (first call {compile_s:.0f} s)")
             TABLE.append(line)
     finally:
