@@ -121,9 +121,10 @@ class compile_log:
 class python_profile:
     """With ``E2E_PROFILE_COMPILE=1``: cProfile over the block (a program's first call), the top functions
     by own and by cumulative time logged and written to OUT/compile_profile_<name>.txt. Lowering to MLIR
-    took ~61-64 s on the GPU hosts whatever the layer count (4 or 12 layers; 2026-12-05) against 17 s for
-    trace + lowering deviceless here, so it is spent somewhere the CPU run does not go. cProfile slows
-    Python ~1.5-2x, so a profiled call's compile times are not comparable."""
+    took ~61-64 s on the GPU hosts at 4 and at 12 layers until 2026-12-05: nearly all of it Mosaic GPU's
+    layout inference, which runs once per distinct kernel (14 s of it the Sinkhorn kernel's unrolled
+    rounds, since rolled; 30 s on the H200 after). cProfile slows Python ~1.5-2x, so a profiled call's
+    compile times are not comparable."""
 
     def __init__(self, name: str):
         self.name, self.prof = name, None
