@@ -69,18 +69,17 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
 def _stored_weight(p_lin: dict) -> jax.Array:
     """The linear's weights in the checkpoint's [G, N, Kw] layout: tile-major ones
     (``prepare_experts_tile_major``) are laid back, for the paths other than the kernel."""
-    if "weight_tm" not in p_lin:
-        return p_lin["weight"]
-    w = p_lin["weight_tm"]
-    g, nb, kb, bn, kbytes = w.shape
-    return w.transpose(0, 1, 3, 2, 4).reshape(g, nb * bn, kb * kbytes)
+    from pallas_kernels.grouped_gemm.config import row_major_weights
+
+    return row_major_weights(p_lin["weight_tm"]) if "weight_tm" in p_lin else p_lin["weight"]
 
 
 def _weight_shape(p_lin: dict) -> tuple[int, int, int]:
     """[G, N, Kw] of the linear's weights as the checkpoint lays them out, in either held layout."""
+    from pallas_kernels.grouped_gemm.config import tile_major_stored_shape
+
     if "weight_tm" in p_lin:
-        g, nb, kb, bn, kbytes = p_lin["weight_tm"].shape
-        return g, nb * bn, kb * kbytes
+        return tile_major_stored_shape(p_lin["weight_tm"])
     return tuple(p_lin["weight"].shape)
 
 
@@ -253,7 +252,7 @@ def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics):
     "subnormal" FP4 decoder when ``numerics.fp4_scale_max`` says every scale allows it."""
     import dataclasses
 
-    from pallas_kernels.grouped_gemm.config import TILE_MAJOR_TILE, GroupedMatmulConfig, tuned_config
+    from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, tile_major_tile, tuned_config
     from pallas_kernels.grouped_gemm.fp4_packed import SUBNORMAL_MAX_SCALE_BYTE
 
     g, n, kw = _weight_shape(p_lin)
@@ -262,7 +261,7 @@ def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics):
     fits = numerics.fp4_scale_max is not None and numerics.fp4_scale_max <= SUBNORMAL_MAX_SCALE_BYTE
     base = GroupedMatmulConfig(fp4_dequant="subnormal") if fits else GroupedMatmulConfig()
     if "weight_tm" in p_lin:      # the held layout fixes the tile's width and the K run a step may read
-        bn, bk = TILE_MAJOR_TILE
+        bn, bk = tile_major_tile(p_lin["weight_tm"])
         base = dataclasses.replace(base, block_n=bn, block_k=bk, weights_tile_major=True)
     return tuned_config(m_rows, g, n, k, fmt, jnp.float32, base=base)
 
@@ -302,6 +301,7 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     import dataclasses
 
     from pallas_kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+    from pallas_kernels.grouped_gemm.config import tile_major_tile
     from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
     m, k = ids_mk.shape
@@ -312,7 +312,8 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
         # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
         tiny = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
         # (tile-major weights fix block_n; the 64-wide K steps read half of each layout tile)
-        cfgs = {name: dataclasses.replace(tiny, block_n=p_exp[name]["weight_tm"].shape[3], weights_tile_major=True)
+        cfgs = {name: dataclasses.replace(tiny, block_n=tile_major_tile(p_exp[name]["weight_tm"])[0],
+                                          weights_tile_major=True)
                 if "weight_tm" in p_exp[name] else tiny for name in ("w1", "w3", "w2")}
     else:
         cfgs = {name: _tile_config(p_exp[name], m * k, numerics) for name in ("w1", "w3", "w2")}

@@ -131,6 +131,24 @@ def tile_major_weights(w: jax.Array, block_n: int, block_k: int) -> jax.Array:
     return w.reshape(g, n // block_n, block_n, kw // kb, kb).transpose(0, 1, 3, 2, 4)
 
 
+def tile_major_tile(w_tm) -> tuple[int, int]:
+    """(block_n, block_k in elements) that tile-major weights [G, N/block_n, K/block_k, block_n, block_k's
+    bytes] were laid out with (w_tm: an array or a ShapeDtypeStruct)."""
+    bn, kbytes = w_tm.shape[3], w_tm.shape[4]
+    return bn, kbytes * 2 if w_tm.dtype == jnp.uint8 else kbytes
+
+
+def tile_major_stored_shape(w_tm) -> tuple[int, int, int]:
+    """The [G, N, Kw] shape of the stored weights that tile-major ``w_tm`` holds."""
+    g, nb, kb, bn, kbytes = w_tm.shape
+    return g, nb * bn, kb * kbytes
+
+
+def row_major_weights(w_tm: jax.Array) -> jax.Array:
+    """``tile_major_weights`` undone: the stored [G, N, Kw] layout."""
+    return w_tm.transpose(0, 1, 3, 2, 4).reshape(tile_major_stored_shape(w_tm))
+
+
 def row_major_shape(w, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
     """The [G, N, Kw] shape of the stored weights w stands for (its own shape unless tile-major)."""
     if not cfg.weights_tile_major:
@@ -138,12 +156,12 @@ def row_major_shape(w, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
     if w.ndim != 5 or w.shape[3] != cfg.block_n:
         raise ValueError(f"weights_tile_major needs w as [G, N/block_n, K/block_k, block_n={cfg.block_n}, "
                          f"block_k bytes] (tile_major_weights), got shape {tuple(w.shape)}")
-    g, nb, kb, bn, kbytes = w.shape
+    kbytes = w.shape[4]
     step = cfg.block_k // 2 if w.dtype == jnp.uint8 else cfg.block_k
     if kbytes % step:
         raise ValueError(f"tile-major w has {kbytes}-wide K tiles; block_k={cfg.block_k} reads {step} at a "
                          "time, which must divide them")
-    return g, nb * bn, kb * kbytes
+    return tile_major_stored_shape(w)
 
 
 def writes_rows(cfg: GroupedMatmulConfig, out_dtype) -> bool:
