@@ -19,11 +19,16 @@ Sections:
 * prefill: one prompt of each length, chunked, through ``Scheduler.run`` (max_tokens=1), with and
   without bounded replay: tokens/s, and matmul + attention-core FLOPs over time as a fraction of the
   dense matmul rate.
+  The step is the engine's: its model program, then the sampler's programs its plan picks
+  (``Scheduler.decode_step``; the rows use top-p and no top-k, so the top-k search is skipped).
+* fullsampler: the decode row at --profile-batch and the first context with the sampler's plan forced
+  to run every program (``SamplerPlan()``): what the plan saves, against the decode section's row.
 * profile: one decode step (at --profile-batch and the first context) timed per kernel by CUPTI,
   largest first, each XLA kernel with the jax op it came from (GPU only). On jax 0.11.2 the list missed
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
-* timeline: the same step (the engine's compiled program, no second compile) under jax.profiler only:
-  wall ms/step against GPU busy time and the longest idle gaps.
+  The model program only (the sampler's later programs are not in it).
+* timeline: the same step (the engine's compiled programs, no second compile) under jax.profiler only:
+  wall ms/step against GPU busy time, the longest idle gaps, GPU time by XLA program and by kernel.
 * ptimeline: the prefill of the last --prompts length (replay off: every chunk runs every layer) under
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
@@ -67,7 +72,7 @@ import numpy as np  # noqa: E402
 
 from deepinfer_jax.compile_cache import autotune_dir, enable_compile_cache  # noqa: E402
 from deepinfer_jax.config import AttnMode  # noqa: E402
-from deepinfer_jax.engine.sampling import SamplingParams, seed_words, set_row  # noqa: E402
+from deepinfer_jax.engine.sampling import SamplerPlan, SamplingParams, seed_words, set_row  # noqa: E402
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
@@ -303,12 +308,15 @@ def fill_for_decode(sch: Scheduler, m: Model, numerics: Numerics, ctx: int) -> d
     return decode_inputs(sch, ctx)
 
 
-def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10):
+def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10,
+               sampler_plan: SamplerPlan | None = None):
+    """sampler_plan: force the sampler's plan (``Scheduler.sampler_plan``; None: the engine's per-step
+    choice, which for these rows, top-p and no top-k, skips the top-k search)."""
     rows = []
     copy = RESULTS.get("copy_Bps")
     for b in batches:
         try:
-            rows += _decode_batch(m, numerics, b, contexts, max_len, label, steps, copy)
+            rows += _decode_batch(m, numerics, b, contexts, max_len, label, steps, copy, sampler_plan)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest batch: keep the others
             traceback.print_exc()
             rows.append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:500]))
@@ -349,17 +357,18 @@ def engine_loop_ms(step, steps: int) -> dict:
     return dict(ms=(long - short) * 1e3 / steps, queue_ms=(q_short + q_long) / 2 * 1e3)
 
 
-def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, label: str, steps: int, copy):
+def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, label: str, steps: int, copy,
+                  sampler_plan: SamplerPlan | None = None):
     rows = []
     sch = scheduler(m, numerics, b, max_len, 1)
+    sch.sampler_plan = sampler_plan
     try:
         compile_s = None
         for ctx in contexts:
             inp = fill_for_decode(sch, m, numerics, ctx)
 
             def step():
-                sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
-                return out["token"]
+                return sch.decode_step(inp)["token"]
 
             if compile_s is None:
                 t = time.time()
@@ -457,15 +466,14 @@ def _timeline(sch: Scheduler, m: Model, inp: dict, steps: int = 3) -> dict:
     """The engine's own (donating) decode step under jax.profiler: wall time per step against the time
     the GPU is busy, and the longest idle gaps with the GPU events around them (host-bound waits)."""
     for _ in range(2):  # the first call compiles
-        sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
-        jax.block_until_ready(out)
+        jax.block_until_ready(sch.decode_step(inp))
 
     def run():
         for _ in range(steps):
-            sch.state, out = sch._decode(m.params, sch.state, inp, sch.consts)
+            out = sch.decode_step(inp)
         jax.block_until_ready(out)
 
-    return _traced(run, steps, "step", _sites_from_dump(os.environ.get("E2E_HLO_DUMP"), "decode"))
+    return _traced(run, steps, "step", _sites_from_dump(os.environ.get("E2E_HLO_DUMP"), "decode"), "decode")
 
 
 def _sites_from_dump(dump_dir: str | None, module: str) -> dict[str, str]:
@@ -510,10 +518,17 @@ def _kernel_key(event) -> str:
     return f"{event.name} [{shape or details[:80]}]"
 
 
-def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None) -> dict:
+def _event_module(event) -> str:
+    """The XLA program (HLO module) a GPU event belongs to, where the trace says ('' otherwise)."""
+    return str(dict(event.stats).get("hlo_module", ""))
+
+
+def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None, site_modules: str = "\0") -> dict:
     """run() under jax.profiler -> wall ms and GPU busy ms per ``unit`` (run does ``per`` of them), the
-    longest idle gaps between GPU events, and the busy time by kernel name (every launch in the trace,
-    unlike the CUPTI list), each with the jax op it came from where ``sites`` knows it."""
+    longest idle gaps between GPU events, the busy time by XLA program, and by kernel name (every launch
+    in the trace, unlike the CUPTI list), each with the jax op it came from where ``sites`` knows it.
+    site_modules: a substring of the names of the programs whose HLO ``sites`` came from; kernels of
+    other programs are listed with their program's name (the default matches none)."""
     import tempfile
 
     from jax.profiler import ProfileData
@@ -529,15 +544,19 @@ def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None) -> di
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
-            events += [(e.start_ns, e.end_ns, _kernel_key(e), line.name) for e in line.events]
+            events += [(e.start_ns, e.end_ns, _kernel_key(e), line.name, _event_module(e)) for e in line.events]
     events.sort()
     if not events:
         return dict(wall_ms=wall_ms, note="no GPU events in the trace (not a GPU)")
     busy, gaps, end, prev = 0, [], events[0][0], events[0]
     kinds: dict[str, float] = {}
     by_name: dict[str, list] = {}
+    by_module: dict[str, float] = {}
     for ev in events:
-        start, stop, name, line = ev
+        start, stop, name, line, module = ev
+        by_module[module] = by_module.get(module, 0.0) + (stop - start) / 1e6 / per
+        if module and site_modules not in module:
+            name = f"{name} @{module}"   # another program's fusion names repeat the step's: keep them apart
         agg = by_name.setdefault(name.split("(")[0][:160], [0.0, 0])
         agg[0] += (stop - start) / 1e6 / per
         agg[1] += 1
@@ -556,6 +575,8 @@ def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None) -> di
         f"{sorted({e[3] for e in events})[:8]}")
     for g in gaps[:15]:
         log(f"  gap {g[0]:8.3f} ms after {g[1]!r} before {g[2]!r}")
+    log(f"GPU time by XLA program (ms/{unit}): " + ", ".join(
+        f"{k or '?'} {v:.3f}" for k, v in sorted(by_module.items(), key=lambda kv: -kv[1])))
     sites = sites or {}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:120]
     busy_unit = busy / 1e6 / per
@@ -563,7 +584,7 @@ def _traced(run, per: int, unit: str, sites: dict[str, str] | None = None) -> di
     for name, (ms, n) in top[:40]:
         log(f"  {ms:8.3f} ms {n / per:6.0f}x {ms / busy_unit:6.1%}  {name[:50]:50s} {_site_of(name, sites)[-110:]}")
     return dict(wall_ms=wall_ms, span_ms=span_ms / per, busy_ms=busy_unit, kinds_ms=kinds,
-                gaps=gaps[:40], n_events=len(events),
+                gaps=gaps[:40], n_events=len(events), by_module_ms=by_module,
                 by_name=[dict(kernel=k, ms=v[0], launches=v[1] / per, site=_site_of(k, sites)[-200:])
                          for k, v in top])
 
@@ -577,7 +598,7 @@ def run_prefill_timeline(m: Model, numerics: Numerics, prompt: int, chunk: int, 
     sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)], SamplingParams(max_tokens=1))])
     req = Request("traced", [int(x) for x in rng.integers(3, 120000, prompt)], SamplingParams(max_tokens=1))
     sites = _sites_from_dump(os.environ.get("E2E_HLO_DUMP"), "prefill")
-    rec = _traced(lambda: sch.run([req]), 1, "prompt", sites)
+    rec = _traced(lambda: sch.run([req]), 1, "prompt", sites, "prefill")
     return dict(prompt=prompt, chunk=chunk, bounded_replay=bounded_replay, **rec)
 
 
@@ -763,6 +784,9 @@ def main(argv=None):
     max_len = max(contexts) + 64
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
+    if "fullsampler" in want:   # A/B of the sampler's plan against the decode section's row
+        section("full-sampler-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
+                "full-sampler", 10, SamplerPlan())
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),

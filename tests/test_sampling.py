@@ -70,7 +70,7 @@ def test_request_seed_and_key_words():
 
 
 # ----------------------------------------------------------------------------------------------- sampler
-def _run(logits, params, *, valid=None, counts=None, seen=None, seeds=None, positions=None):
+def _run(logits, params, *, valid=None, counts=None, seen=None, seeds=None, positions=None, plan=None):
     b = logits.shape[0]
     rows = empty_rows(b)
     for i, p in enumerate(params):
@@ -81,8 +81,8 @@ def _run(logits, params, *, valid=None, counts=None, seen=None, seeds=None, posi
     valid = np.ones(logits.shape[1], bool) if valid is None else valid
     counts = np.zeros(logits.shape, np.int32) if counts is None else counts
     seen = np.zeros(logits.shape, bool) if seen is None else seen
-    out = jax.jit(sample)(jnp.asarray(logits, jnp.float32), jnp.asarray(valid), jnp.asarray(counts),
-                          jnp.asarray(seen), {k: jnp.asarray(v) for k, v in rows.items()}, keys)
+    out = sample(jnp.asarray(logits, jnp.float32), jnp.asarray(valid), jnp.asarray(counts), jnp.asarray(seen),
+                 rows, keys, plan=plan)
     return jax.device_get(out)
 
 
@@ -120,9 +120,11 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
     x[[3, 9, 20]] = x[7]  # ties with lower and higher ids around the boundary
     keep_ref, ambiguous = _keep_reference(x, top_k, top_p, min_p)
     assert not ambiguous, "pick another seed: the reference boundary is within float error"
-    keep = np.asarray(jax.jit(sampling_mod._filter_keep)(
-        jnp.asarray(x[None]), jnp.ones((1, V), bool), jnp.array([top_k]), jnp.array([top_p], jnp.float32),
-        jnp.array([min_p], jnp.float32), jnp.bool_(True)))[0]
+    rows = empty_rows(1)
+    set_row(rows, 0, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p))
+    xs = jnp.asarray(x[None])
+    keep_k, q, t_p = sampling_mod.filter_steps(xs, rows, sampling_mod.SamplerPlan())
+    keep = np.asarray(sampling_mod.sampled_keep(xs, keep_k, q, t_p, rows))[0]
     np.testing.assert_array_equal(keep, keep_ref)
     n = 256  # sampled tokens, all within the kept set
     p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -130,24 +132,38 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
     assert keep_ref[out["token"]].all()
 
 
-def test_unrolled_search_gives_the_loops_bits(monkeypatch):
-    """The GPU form of the threshold searches (the passes with no control flow) keeps the same tokens as
-    the CPU form (skipped by a conditional when no row filters), for filtering and non-filtering rows in
-    one batch; run here by forcing it on the CPU."""
+def test_skipped_searches_give_the_full_samplers_bits():
+    """The plan skips the top-k search when no sampled row uses top-k, the top-p search when none uses
+    top-p, and the whole filter and noise when every row is greedy; each row's results are bitwise those
+    of the sampler that runs everything. The searches have no control flow (the GPU form)."""
     rng = np.random.default_rng(7)
     x = rng.normal(size=(6, V)).astype(np.float32) * 2
     x[:, [3, 9, 20]] = x[:, [7]]
-    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.8), SamplingParams(temperature=0.7),
-              SamplingParams(temperature=0), SamplingParams(top_k=9, top_p=0.9, min_p=0.05),
-              SamplingParams(min_p=0.2)]
-    loop = _run(x, params)
-    monkeypatch.setattr(sampling_mod, "_unrolled_search", lambda: True)
-    unrolled = _run(x, params)
-    for k in loop:
-        np.testing.assert_array_equal(unrolled[k], loop[k], err_msg=k)
+    batches = {"no top-k": [SamplingParams(top_p=0.8), SamplingParams(temperature=0.7), SamplingParams(temperature=0),
+                            SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(min_p=0.2),
+                            SamplingParams(top_k=3, temperature=0)],   # greedy: its top_k is unused
+               "no top-p": [SamplingParams(top_k=5), SamplingParams(temperature=0.7), SamplingParams(temperature=0),
+                            SamplingParams(top_k=9, min_p=0.05), SamplingParams(min_p=0.2),
+                            SamplingParams(top_p=0.5, temperature=0)],
+               "neither": [SamplingParams(temperature=0.3), SamplingParams(min_p=0.1)] * 3,
+               "all greedy": [SamplingParams(temperature=0, top_k=4, top_p=0.5)] * 6}
+    want = {"no top-k": sampling_mod.SamplerPlan(True, False, True),
+            "no top-p": sampling_mod.SamplerPlan(True, True, False),
+            "neither": sampling_mod.SamplerPlan(True, False, False),
+            "all greedy": sampling_mod.SamplerPlan(False, False, False)}
+    for name, params in batches.items():
+        rows = empty_rows(6)
+        for i, p in enumerate(params):
+            set_row(rows, i, p)
+        assert sampling_mod.SamplerPlan.of(rows) == want[name], name
+        planned, full = _run(x, params), _run(x, params, plan=sampling_mod.SamplerPlan())
+        for k in full:
+            assert np.asarray(planned[k]).tobytes() == np.asarray(full[k]).tobytes(), (name, k)
+    # rows that take no sample this step choose nothing
+    assert sampling_mod.SamplerPlan.of(rows, np.zeros(6, bool)) == sampling_mod.SamplerPlan(False, False, False)
     keys = jnp.arange(8, dtype=jnp.uint32).reshape(2, 4)
-    jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key_below(keys, None, jnp.array([1, 2]), None))())
-    assert "while" not in jaxpr and "cond" not in jaxpr   # the point of the GPU form
+    jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key_below(keys, None, jnp.array([1, 2])))())
+    assert "while" not in jaxpr and "cond" not in jaxpr
 
 
 def test_ties_go_to_the_lower_id():
@@ -214,10 +230,10 @@ def test_key_depends_on_seed_and_position_only():
     assert len({int(v[0]) for v in draws.values()}) > 1  # and different (seed, position) do differ
 
 
-def _shifted_sample(logits_bv, *args):
+def _shifted_sample(logits_bv, *args, **kwargs):
     """Deliberately variant: subtract the batch-wide mean logit first. A no-op for every row's softmax in
     exact arithmetic, but the rounding now depends on the neighbours."""
-    return _invariant_sample(logits_bv - jnp.mean(logits_bv), *args)
+    return _invariant_sample(logits_bv - jnp.mean(logits_bv), *args, **kwargs)
 
 
 _invariant_sample = sample

@@ -1,4 +1,4 @@
-"""SamplingParams and the per-row deterministic sampler that runs inside the jitted engine step.
+"""SamplingParams and the per-row deterministic sampler the engine runs after each model step.
 
 A row's sample is a function of its own logits, its own parameters and its own key only:
 
@@ -14,6 +14,11 @@ A row's sample is a function of its own logits, its own parameters and its own k
   instead of a full sort of the 129k vocabulary (XLA:CPU sorts 4 such rows in ~120 ms; the searches take
   a fraction of that);
 * the pick is Gumbel-max over the kept tokens; greedy (temperature 0) is the argmax (ties: lower id).
+
+Stages: ``prepare`` (inside the model's step), then separate programs: ``search_top_k``, ``keep_top_k``,
+``search_top_p`` (``filter_steps``) and ``pick``. The host chooses per step which of them run
+(``SamplerPlan``: no search nobody in the step uses, no filter for an all-greedy step); the programs
+themselves never change with the plan, so neither can a row's bits.
 
 Reported logprobs are the model's own distribution: ``log_softmax`` of the raw logits over the ids the
 tokenizer defines, before penalties, temperature and filtering (vLLM's default "raw" logprobs).
@@ -160,7 +165,10 @@ def seed_words(seed: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Device side (traced inside the engine step).
+# Device side. The sampler runs as a chain of small programs (``filter_steps``, then ``pick``), not
+# inside the model's step: which threshold searches run is then a host decision per step (SamplerPlan),
+# and every program is the same compiled program whichever plan chose it, so a row's bits cannot depend
+# on what its neighbours asked for.
 
 def row_keys(engine_key: jax.Array, seeds_b2: jax.Array, positions_b: jax.Array) -> jax.Array:
     """One threefry key per row: the engine key folded with the seed's two words, then the position."""
@@ -173,11 +181,32 @@ def row_keys(engine_key: jax.Array, seeds_b2: jax.Array, positions_b: jax.Array)
     return jax.vmap(one)(seeds_b2, positions_b)
 
 
-def _unrolled_search() -> bool:
-    """The threshold searches without control flow: on a GPU backend (decided at trace time, like
-    Numerics.sinkhorn_unroll). Measured there (H200 12-layer slice, B=64, a step in the profiler): 64 of
-    the step's 66 device-to-host copies were the earlier bisection loops' predicates."""
-    return jax.default_backend() == "gpu"
+@dataclasses.dataclass(frozen=True)
+class SamplerPlan:
+    """Which of the sampler's programs a step runs, from the rows that take a sample this step.
+
+    sampled: some row samples (temperature > 0); else every token is the argmax and the filter, its
+        searches and the Gumbel noise are skipped.
+    top_k / top_p: some sampled row uses top-k / top-p; else that threshold search (16 passes over every
+        row's vocabulary) is skipped. A row that does not use top-k keeps its alive tokens whatever the
+        top-k threshold is, and a row that does not use top-p ignores the top-p threshold
+        (``keep_top_k``, ``pick``), so skipping a search changes no row's result.
+
+    Measured on the H200 12-layer slice's decode step (B=64): each search is 16 passes of two launches,
+    ~0.4 ms of the ~1.1 ms the sampler took inside the step (benchmarks/NOTES.md item -18)."""
+
+    sampled: bool = True
+    top_k: bool = True
+    top_p: bool = True
+
+    @classmethod
+    def of(cls, rows: dict[str, np.ndarray], take_b: np.ndarray | None = None) -> "SamplerPlan":
+        """rows: the step's host-side ``ROW_FIELDS`` arrays; take_b: rows whose sample is used (None: all)."""
+        sampled = np.asarray(rows["temperature"]) > 0.0
+        if take_b is not None:
+            sampled &= np.asarray(take_b, bool)
+        return cls(sampled=bool(sampled.any()), top_k=bool((sampled & (np.asarray(rows["top_k"]) > 0)).any()),
+                   top_p=bool((sampled & (np.asarray(rows["top_p"]) < 1.0)).any()))
 
 
 # Two bits a pass: 16 passes of three masked sums instead of 32 of one (the indexer's top-k measured
@@ -185,20 +214,14 @@ def _unrolled_search() -> bool:
 SEARCH_BITS = 2
 
 
-def _least_key_below(key_bv, mass_bv, budget_b, run: jax.Array | None) -> jax.Array:
+def _least_key_below(key_bv, mass_bv, budget_b) -> jax.Array:
     """uint32[B]: per row, the smallest t with sum(mass[key > t]) < budget (``select.least_key_below``;
-    mass None counts keys). run: None runs the passes unconditionally, with no control flow at all (the
-    GPU form: there a loop's or a conditional's predicate is a device-to-host round trip that also stops
-    the host from queueing the next step); a traced bool skips them when False (the results are then
-    unused)."""
+    mass None counts keys). The passes are unrolled, with no control flow: on a GPU a loop's predicate is
+    a device-to-host round trip that also stops the host from queueing the next step (measured on the
+    H200 slice: 64 of a decode step's 66 device-to-host copies were the earlier bisection loops')."""
     from pallas_kernels.topk.select import least_key_below
 
-    def search():
-        return least_key_below(key_bv, budget_b, SEARCH_BITS, mass_bv)
-
-    if run is None:
-        return search()
-    return jax.lax.cond(run, search, lambda: jnp.zeros(key_bv.shape[:1], jnp.uint32))
+    return least_key_below(key_bv, budget_b, SEARCH_BITS, mass_bv)
 
 
 def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):
@@ -215,22 +238,150 @@ def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):
     return above | (tie & (before + tie_rank * tie_mass < budget_b[:, None]))
 
 
-def _filter_keep(xs_bv, alive_bv, top_k_b, top_p_b, min_p_b, run):
-    """bool[B, V]: per row, the tokens top-k, then top-p (renormalised over the top-k set), then min-p
-    keep. Row-local: every reduction is over one row's vocabulary. run: as ``_least_key_below``."""
-    b, v = xs_bv.shape
-    key = _order_key(xs_bv)
-    k_eff = jnp.where(top_k_b > 0, top_k_b, v)
+def _penalised(logits_v, valid_v, counts_v, seen_v, rep, pres, freq):
+    x = jnp.where(valid_v, logits_v, -jnp.inf)
+    x = jnp.where(seen_v & (rep != 1.0), jnp.where(x > 0, x / rep, x * rep), x)
+    return x - pres * (counts_v > 0) - freq * counts_v.astype(jnp.float32)
+
+
+def prepare(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_bv: jax.Array,
+            rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The sampler's first stage, traced inside the model's step (it needs the fp32 logits only there).
+
+    -> {"xs" f32[B, V]: the penalised logits over the temperature (greedy rows: over 1), what every later
+    stage reads; "logp" f32[B, V]: the model's own log-softmax over the defined ids (reported logprobs);
+    "top_logprobs" f32[B, 20], "top_ids" int32[B, 20]: its 20 best, ties to the lower id}.
+    logits_bv: fp32 model logits; valid_v: ids the tokenizer defines; counts_bv: how often each id was
+    generated so far; seen_bv: ids in the prompt or output; rows: per-row parameter arrays (ROW_FIELDS)."""
+    temp = rows["temperature"]
+    x_bv = jax.vmap(_penalised)(logits_bv, jnp.broadcast_to(valid_v, logits_bv.shape), counts_bv, seen_bv,
+                                rows["repetition_penalty"][:, None], rows["presence_penalty"][:, None],
+                                rows["frequency_penalty"][:, None])
+    xs_bv = x_bv / jnp.where(temp <= 0.0, 1.0, temp)[:, None]
+    logp_bv = jax.nn.log_softmax(jnp.where(valid_v, logits_bv, -jnp.inf), axis=-1)
+    top_lp, top_ids = top_k_by_blocks(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[1]))  # ties: lower id first
+    return {"xs": xs_bv, "logp": logp_bv, "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
+
+
+def search_top_k(xs_bv: jax.Array, top_k_b: jax.Array) -> jax.Array:
+    """uint32[B]: each row's top-k threshold key (the k-th largest alive key; rows with top_k 0: unused)."""
+    alive = xs_bv > -jnp.inf
+    k_eff = jnp.where(top_k_b > 0, top_k_b, xs_bv.shape[1])
     # dead tokens get key 0, which is above no threshold: integer counts of the alive keys above t
-    t_k = _least_key_below(jnp.where(alive_bv, key, jnp.uint32(0)), None, k_eff, run)
-    k_eff = k_eff.astype(jnp.float32)
-    keep = _first_n_of_ties(key, alive_bv, t_k, jnp.ones_like(xs_bv), k_eff)
+    return _least_key_below(jnp.where(alive, _order_key(xs_bv), jnp.uint32(0)), None, k_eff)
+
+
+def keep_top_k(xs_bv: jax.Array, top_k_b: jax.Array, t_k_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(keep bool[B, V], q f32[B, V]): the tokens top-k keeps (rows with top_k 0: every alive token, so
+    t_k is not read for them), and the probabilities renormalised over that set."""
+    alive = xs_bv > -jnp.inf
+    k_eff = jnp.where(top_k_b > 0, top_k_b, xs_bv.shape[1]).astype(jnp.float32)
+    by_k = _first_n_of_ties(_order_key(xs_bv), alive, t_k_b, jnp.ones_like(xs_bv), k_eff)
+    keep = jnp.where((top_k_b > 0)[:, None], by_k, alive)
     z = jnp.where(keep, xs_bv, -jnp.inf)
     q = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-    q = q / jnp.sum(q, axis=-1, keepdims=True)
-    t_p = _least_key_below(key, jnp.where(keep, q, 0.0), top_p_b, run)
-    keep = jnp.where((top_p_b < 1.0)[:, None], _first_n_of_ties(key, keep, t_p, q, top_p_b), keep)
-    return keep & (q >= min_p_b[:, None] * jnp.max(q, axis=-1, keepdims=True))
+    return keep, q / jnp.sum(q, axis=-1, keepdims=True)
+
+
+def search_top_p(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, top_p_b: jax.Array) -> jax.Array:
+    """uint32[B]: each row's nucleus threshold key over its top-k set (rows with top_p 1: unused)."""
+    return _least_key_below(_order_key(xs_bv), jnp.where(keep_bv, q_bv, 0.0), top_p_b)
+
+
+def _first_argmax(z_bv: jax.Array) -> jax.Array:
+    """argmax over the last axis, ties to the lower id: max, then the lowest index holding it. Two plain
+    reductions, about twice as fast on XLA:CPU as its variadic argmax reduction."""
+    top = jnp.max(z_bv, axis=-1, keepdims=True)
+    ids = jnp.arange(z_bv.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(z_bv == top, ids, z_bv.shape[-1]), axis=-1)
+
+
+def sampled_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, t_p_b: jax.Array,
+                 rows: dict[str, jax.Array]) -> jax.Array:
+    """bool[B, V]: the tokens a sampled row draws from: top-k's set (keep_bv, q_bv from ``keep_top_k``),
+    then top-p's (t_p_b from ``search_top_p``; rows with top_p 1 ignore it), then min-p's; rows that set
+    none of the three: every alive token."""
+    top_p, min_p = rows["top_p"], rows["min_p"]
+    nucleus = _first_n_of_ties(_order_key(xs_bv), keep_bv, t_p_b, q_bv, top_p)
+    keep = jnp.where((top_p < 1.0)[:, None], nucleus, keep_bv)
+    keep = keep & (q_bv >= min_p[:, None] * jnp.max(q_bv, axis=-1, keepdims=True))
+    filtering = (rows["top_k"] > 0) | (top_p < 1.0) | (min_p > 0.0)
+    return jnp.where(filtering[:, None], keep, True) & (xs_bv > -jnp.inf)
+
+
+def pick(xs_bv: jax.Array, keep_bv: jax.Array | None, q_bv: jax.Array | None, t_p_b: jax.Array | None,
+         rows: dict[str, jax.Array], keys_b: jax.Array) -> jax.Array:
+    """int32[B]: each row's token. Greedy rows (temperature 0) take the argmax of xs (ties: lower id);
+    the others Gumbel-max over ``sampled_keep``. keep_bv None: no row samples (SamplerPlan.sampled
+    False), so only the argmax is computed."""
+    greedy_tok = _first_argmax(xs_bv)
+    if keep_bv is None:
+        return greedy_tok.astype(jnp.int32)
+    keep = sampled_keep(xs_bv, keep_bv, q_bv, t_p_b, rows)
+    gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (xs_bv.shape[1],), jnp.float32))(keys_b)
+    # Materialise the noise: fused into the argmax's reduction loop, XLA:CPU runs threefry + log ~4x slower.
+    gumbel_bv = jax.lax.optimization_barrier(gumbel_bv)
+    noisy = _first_argmax(jnp.where(keep, xs_bv + gumbel_bv, -jnp.inf))
+    return jnp.where(rows["temperature"] <= 0.0, greedy_tok, noisy).astype(jnp.int32)
+
+
+_search_top_k_step = jax.jit(search_top_k)
+_keep_top_k_step = jax.jit(keep_top_k)
+_search_top_p_step = jax.jit(search_top_p)
+
+
+def filter_steps(xs_bv: jax.Array, rows: dict, plan: SamplerPlan):
+    """Run the filter's programs the plan needs -> (keep, q, t_p) for ``pick`` (all None when no row
+    samples). A skipped search's threshold is zeros: no row that reads it exists in this step."""
+    if not plan.sampled:
+        return None, None, None
+    t_k = _search_top_k_step(xs_bv, rows["top_k"]) if plan.top_k else _no_thresholds(xs_bv)
+    keep, q = _keep_top_k_step(xs_bv, rows["top_k"], t_k)
+    t_p = _search_top_p_step(xs_bv, keep, q, rows["top_p"]) if plan.top_p else _no_thresholds(xs_bv)
+    return keep, q, t_p
+
+
+def _no_thresholds(xs_bv: jax.Array) -> jax.Array:
+    """uint32[B] zeros placed as a search's result would be (rows split like xs's rows, committed to
+    devices if xs is): a host array, or another placement, is another entry in the next program's jit
+    cache, so another compile."""
+    zeros = np.zeros(xs_bv.shape[:1], np.uint32)
+    if not xs_bv.committed:
+        return jax.device_put(zeros)
+    sharding = xs_bv.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = sharding.spec
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0] if spec else None))
+    return jax.device_put(zeros, sharding)
+
+
+def token_results(pre: dict[str, jax.Array], token_b: jax.Array) -> dict[str, jax.Array]:
+    """What the host reads for each row: its token, that token's logprob and the top-20."""
+    return {"token": token_b, "logprob": jnp.take_along_axis(pre["logp"], token_b[:, None], axis=1)[:, 0],
+            "top_ids": pre["top_ids"], "top_logprobs": pre["top_logprobs"]}
+
+
+@jax.jit
+def _pick_step(pre, keep, q, t_p, rows, keys_b):
+    return token_results(pre, pick(pre["xs"], keep, q, t_p, rows, keys_b))
+
+
+_prepare_step = jax.jit(prepare)
+
+
+def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_bv: jax.Array,
+           rows: dict[str, np.ndarray], keys_b: jax.Array, take_b: np.ndarray | None = None,
+           plan: SamplerPlan | None = None) -> dict[str, jax.Array]:
+    """The whole sampler, as the engine runs it, for one batch of logits (notebooks, tests):
+    -> {"token" int32[B], "logprob" f32[B], "top_ids" int32[B, 20], "top_logprobs" f32[B, 20]}.
+
+    rows: host arrays (they choose the SamplerPlan, unless ``plan`` is given: tests force plans with it);
+    keys_b: per-row threefry keys (``row_keys``). The engine runs the same stages with ``prepare`` inside
+    its model step and the state update inside its pick program (engine/scheduler.py)."""
+    plan = SamplerPlan.of(rows, take_b) if plan is None else plan
+    pre = _prepare_step(logits_bv, valid_v, counts_bv, seen_bv, rows)
+    keep, q, t_p = filter_steps(pre["xs"], rows, plan)
+    return _pick_step(pre, keep, q, t_p, rows, keys_b)
 
 
 TOPK_BLOCK = 1024
@@ -265,55 +416,6 @@ def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[j
     return val, jnp.take_along_axis(idx_bjk.reshape(b, kb * k), pos, axis=1)
 
 
-def _first_argmax(z_bv: jax.Array) -> jax.Array:
-    """argmax over the last axis, ties to the lower id: max, then the lowest index holding it. Two plain
-    reductions, about twice as fast on XLA:CPU as its variadic argmax reduction."""
-    top = jnp.max(z_bv, axis=-1, keepdims=True)
-    ids = jnp.arange(z_bv.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(z_bv == top, ids, z_bv.shape[-1]), axis=-1)
-
-
-def _penalised(logits_v, valid_v, counts_v, seen_v, rep, pres, freq):
-    x = jnp.where(valid_v, logits_v, -jnp.inf)
-    x = jnp.where(seen_v & (rep != 1.0), jnp.where(x > 0, x / rep, x * rep), x)
-    return x - pres * (counts_v > 0) - freq * counts_v.astype(jnp.float32)
-
-
-def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_bv: jax.Array,
-           rows: dict[str, jax.Array], keys_b: jax.Array) -> dict[str, jax.Array]:
-    """-> {"token" int32[B], "logprob" f32[B], "top_ids" int32[B, 20], "top_logprobs" f32[B, 20]}.
-
-    logits_bv: fp32 model logits; valid_v: ids the tokenizer defines; counts_bv: how often each id was
-    generated so far; seen_bv: ids in the prompt or output; rows: per-row parameter arrays (ROW_FIELDS);
-    keys_b: per-row threefry keys (``row_keys``).
-    """
-    temp = rows["temperature"]
-    greedy = temp <= 0.0
-    x_bv = jax.vmap(_penalised)(logits_bv, jnp.broadcast_to(valid_v, logits_bv.shape), counts_bv, seen_bv,
-                                rows["repetition_penalty"][:, None], rows["presence_penalty"][:, None],
-                                rows["frequency_penalty"][:, None])
-    xs_bv = x_bv / jnp.where(greedy, 1.0, temp)[:, None]
-    alive_bv = xs_bv > -jnp.inf
-    filtering = (rows["top_k"] > 0) | (rows["top_p"] < 1.0) | (rows["min_p"] > 0.0)
-
-    # The two threshold searches cost 32 masked passes; off the GPU they run only when some row filters.
-    # Rows that do not filter keep every alive token whatever the searches did, and a filtering row always
-    # gets every pass, so the batch-level switch changes speed only, never a row's result. On the GPU the
-    # passes always run, with no conditional: its predicate costs more than the passes (_unrolled_search).
-    run = None if _unrolled_search() else jnp.any(filtering & ~greedy)
-    keep_f = _filter_keep(xs_bv, alive_bv, rows["top_k"], rows["top_p"], rows["min_p"], run)
-    keep_bv = jnp.where(filtering[:, None], keep_f, True) & alive_bv
-    gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (logits_bv.shape[1],), jnp.float32))(keys_b)
-    # Materialise the noise: fused into the argmax's reduction loop, XLA:CPU runs threefry + log ~4x slower.
-    gumbel_bv = jax.lax.optimization_barrier(gumbel_bv)
-    noisy = _first_argmax(jnp.where(keep_bv, xs_bv + gumbel_bv, -jnp.inf))
-    token = jnp.where(greedy, _first_argmax(x_bv), noisy).astype(jnp.int32)
-
-    logp_bv = jax.nn.log_softmax(jnp.where(valid_v, logits_bv, -jnp.inf), axis=-1)
-    top_lp, top_ids = top_k_by_blocks(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[1]))  # ties: lower id first
-    return {"token": token, "logprob": jnp.take_along_axis(logp_bv, token[:, None], axis=1)[:, 0],
-            "top_ids": top_ids.astype(jnp.int32), "top_logprobs": top_lp}
-
-
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "top_k_by_blocks", "empty_rows", "request_seed", "row_keys", "sample", "seed_words",
-           "set_row"]
+__all__ = ["MAX_LOGPROBS", "SamplerPlan", "SamplingParams", "empty_rows", "filter_steps", "keep_top_k", "pick", "prepare",
+           "request_seed", "row_keys", "sample", "sampled_keep", "search_top_k", "search_top_p", "seed_words", "set_row",
+           "token_results", "top_k_by_blocks"]

@@ -6,16 +6,17 @@
   decode program and a prompt chunk always by the prefill program, whatever the neighbours do;
 * decode step [slots, 1]: every generating slot feeds its last sampled token.
 
-The sampler runs inside the step, and the sampled token stays on the device: the step writes it into the
-slot's ``next_token`` and the Engram history, and the next decode step reads it from there (Engram rows
-are hashed in-graph, ``engram_device``). So the host launches step N+1 before it reads step N's results
-(JAX async dispatch): the loop is launch(N+1), then read(N), and the only host sync is that read of
-finished tokens. A request that stops on EOS or a stop string at step N therefore has one wasted row
-in step N+1, which is discarded; limits known in advance (max_tokens, the context) free the slot at
-launch time.
+The sampler runs on the device after each model step (its first stage inside the step's program, the
+rest as small programs of its own: ``sampling``), and the sampled token stays on the device: the pick
+program writes it into the slot's ``next_token``, and the next decode step reads it from there and
+advances the Engram history with it (Engram rows are hashed in-graph, ``engram_device``). So the host
+launches step N+1 before it reads step N's results (JAX async dispatch): the loop is launch(N+1), then
+read(N), and the only host sync is that read of finished tokens. A request that stops on EOS or a stop
+string at step N therefore has one wasted row in step N+1, which is discarded; limits known in advance
+(max_tokens, the context) free the slot at launch time.
 
-Every step has one of two shapes (plus one program for prompt logprobs), so nothing recompiles after
-warm-up; every op is row-local, so a request's tokens and logprobs are bitwise the same whatever the
+Every step has one of two shapes (plus one program for prompt logprobs and the sampler's few), so
+nothing recompiles after warm-up; every op is row-local, so a request's tokens and logprobs are bitwise the same whatever the
 other slots hold (tests/test_invariance.py). An admitted slot gets its window ring emptied in the
 prefill step (model/cache.py ``reset_slots``): with bounded replay the upper layers' ring would otherwise
 show the previous occupant's rows to the new request.
@@ -131,17 +132,27 @@ class _Launched:
 # ---------------------------------------------------------------------------------------------------
 # The jitted steps (pure functions of params, state, inputs and constants).
 
-def _sample_into_state(state, logits_bv, inp, consts, sampler, keys_fn):
+def _prepare_sample(state, logits_bv, inp, consts):
+    """The sampler's first stage, in the model's program (the only one holding the fp32 logits)."""
+    return sampling.prepare(logits_bv, consts["valid_v"], state["counts"], state["seen"], inp["sampling"])
+
+
+def _pick_into_state(sampler_state, pre, keep, q, t_p, inp, consts, *, keys_fn, readable):
+    """The sampler's last program: each row's token (``sampling.pick``), written into the slot's counts,
+    seen-mask and ``next_token`` where the row takes its sample -> (sampler_state, results to read)."""
     keys = keys_fn(consts["engine_key"], inp["seeds"], inp["sample_positions"])
-    res = sampler(logits_bv, consts["valid_v"], state["counts"], state["seen"], inp["sampling"], keys)
+    res = sampling.token_results(pre, sampling.pick(pre["xs"], keep, q, t_p, inp["sampling"], keys))
     take = inp["take_sample"]
+    counts = sampler_state["counts"]
     slots = jnp.arange(take.shape[0])
-    vocab = state["counts"].shape[1]
-    tok = jnp.where(take, res["token"], vocab)  # out of range: dropped
-    state = dict(state, counts=state["counts"].at[slots, tok].add(1, mode="drop"),
-                 seen=state["seen"].at[slots, tok].set(True, mode="drop"),
-                 next_token=jnp.where(take, res["token"], state["next_token"]))
-    return state, res
+    tok = jnp.where(take, res["token"], counts.shape[1])  # out of range: dropped
+    return {"counts": counts.at[slots, tok].add(1, mode="drop"),
+            "seen": sampler_state["seen"].at[slots, tok].set(True, mode="drop"),
+            "next_token": jnp.where(take, res["token"], sampler_state["next_token"])}, readable(res)
+
+
+SAMPLER_STATE = ("counts", "seen", "next_token")  # the part of the state the pick program updates
+PICK_INPUTS = ("seeds", "sample_positions", "sampling", "take_sample")
 
 
 def _engram_rows(cfg, consts, hist, comp_bt, pad_id, max_prime):
@@ -170,22 +181,22 @@ def _prefill_inputs(state, inp, consts, *, cfg, model, pad_id, max_prime):
     return state, rows
 
 
-def _prefill_sample(params, state, h, inp, consts, *, model, sampler, keys_fn):
+def _prefill_sample(params, state, h, inp, consts, *, model):
     slots = jnp.arange(h.shape[0])
     h_last = h[slots, inp["last_index"]][:, None]
-    state, res = _sample_into_state(state, model.head(params, h_last)[:, 0], inp, consts, sampler, keys_fn)
-    return state, dict(model.readable(res), hidden=h)  # hidden stays on the device (prompt logprobs)
+    # hidden stays on the device (prompt logprobs)
+    return state, {"pre": _prepare_sample(state, model.head(params, h_last)[:, 0], inp, consts), "hidden": h}
 
 
-def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+def _prefill_step(params, state, inp, consts, *, cfg, numerics, model, pad_id, max_prime):
     """Prefill as one program (models without ``split_at_replay``)."""
     state, rows = _prefill_inputs(state, inp, consts, cfg=cfg, model=model, pad_id=pad_id, max_prime=max_prime)
     h, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows, numerics,
                                      inp["replay_mask"])
-    return _prefill_sample(params, state, h, inp, consts, model=model, sampler=sampler, keys_fn=keys_fn)
+    return _prefill_sample(params, state, h, inp, consts, model=model)
 
 
-def _prefill_lower(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+def _prefill_lower(params, state, inp, consts, *, cfg, numerics, model, pad_id, max_prime):
     """Prefill, first program: the layers up to the last KV source -> (state, (model carry, Engram rows))."""
     state, rows = _prefill_inputs(state, inp, consts, cfg=cfg, model=model, pad_id=pad_id, max_prime=max_prime)
     carry, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows,
@@ -193,16 +204,16 @@ def _prefill_lower(params, state, inp, consts, *, cfg, numerics, model, sampler,
     return state, (carry, rows)
 
 
-def _prefill_upper(params, state, carry, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+def _prefill_upper(params, state, carry, inp, consts, *, cfg, numerics, model, pad_id, max_prime):
     """Prefill, second program (run only when a row of the step is in its replay window): the layers above
     the last KV source, the head and the sampler."""
     carry, rows = carry
     h, state["cache"] = model.hidden(params, cfg, state["cache"], inp["tokens"], inp["positions"], rows, numerics,
                                      inp["replay_mask"], part="upper", carry=carry)
-    return _prefill_sample(params, state, h, inp, consts, model=model, sampler=sampler, keys_fn=keys_fn)
+    return _prefill_sample(params, state, h, inp, consts, model=model)
 
 
-def _decode_step(params, state, inp, consts, *, cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
+def _decode_step(params, state, inp, consts, *, cfg, numerics, model, pad_id, max_prime):
     pos = inp["positions"]  # [S, 1]
     live = pos >= 0
     tok = jnp.where(live, state["next_token"][:, None], 0)
@@ -211,8 +222,7 @@ def _decode_step(params, state, inp, consts, *, cfg, numerics, model, sampler, k
     state = dict(state, hist=advance_history(state["hist"], comp))
     h, cache = model.hidden(params, cfg, state["cache"], tok, pos, rows, numerics, None)
     state["cache"] = cache
-    state, res = _sample_into_state(state, model.head(params, h)[:, 0], inp, consts, sampler, keys_fn)
-    return state, model.readable(res)
+    return state, {"pre": _prepare_sample(state, model.head(params, h)[:, 0], inp, consts)}
 
 
 def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
@@ -227,12 +237,11 @@ def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_steps(cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
-    """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs) programs, shared by every
-    scheduler with the same statics, so a second engine on the same model (another test, another LLM)
-    compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``)."""
-    statics = dict(cfg=cfg, numerics=numerics, model=model, sampler=sampler, keys_fn=keys_fn, pad_id=pad_id,
-                   max_prime=max_prime)
+def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime):
+    """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs, pick) programs, shared by
+    every scheduler with the same statics, so a second engine on the same model (another test, another
+    LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``)."""
+    statics = dict(cfg=cfg, numerics=numerics, model=model, pad_id=pad_id, max_prime=max_prime)
     upper = None
     if model.split_at_replay:
         prefill = jax.jit(functools.partial(_prefill_lower, **statics), donate_argnums=(1,))
@@ -240,7 +249,8 @@ def _compiled_steps(cfg, numerics, model, sampler, keys_fn, pad_id, max_prime):
     else:
         prefill = jax.jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
     decode = jax.jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
-    return prefill, upper, decode, jax.jit(functools.partial(_prompt_logprobs, model=model))
+    pick = jax.jit(functools.partial(_pick_into_state, keys_fn=keys_fn, readable=model.readable), donate_argnums=(0,))
+    return prefill, upper, decode, jax.jit(functools.partial(_prompt_logprobs, model=model)), pick
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,10 +259,9 @@ class Scheduler:
     """Owns the slots' device state and runs lists of requests to completion."""
 
     def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer, token_map: np.ndarray, numerics: Numerics,
-                 config: EngineConfig, *, model: ModelFns = REAL_MODEL, sampler: Callable | None = None,
-                 keys_fn: Callable | None = None):
-        """model / sampler (``sampling.sample``'s signature) / keys_fn (``sampling.row_keys``'s): substitutes
-        for tests and experiments; the defaults are the real model and the invariant sampler."""
+                 config: EngineConfig, *, model: ModelFns = REAL_MODEL, keys_fn: Callable | None = None):
+        """model / keys_fn (``sampling.row_keys``'s signature): substitutes for tests and experiments; the
+        defaults are the real model and the per-row threefry keys."""
         self.params, self.cfg, self.tok, self.numerics, self.ec = params, cfg, tokenizer, numerics, config
         token_map = np.asarray(token_map)
         if token_map.shape != (cfg.vocab_size,):
@@ -267,10 +276,11 @@ class Scheduler:
             self.consts["engram"] = {k: jnp.asarray(v) for k, v in tables.items()}
             pad_id, max_prime = int(token_map[cfg.engram_pad_token_id]), int(tables["primes"].max())
         self._model = model
+        self.sampler_plan: sampling.SamplerPlan | None = None  # None: chosen per step; set: forced (A/B runs)
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self.state = self._init_state()
-        self._prefill, self._prefill_upper, self._decode, self._plp = _compiled_steps(
-            cfg, numerics, model, sampler or sampling.sample, keys_fn or row_keys, pad_id, max_prime)
+        self._prefill, self._prefill_upper, self._decode, self._plp, self._pick = _compiled_steps(
+            cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime)
 
     def _init_state(self) -> dict:
         s, v = self.ec.max_slots, self.cfg.vocab_size
@@ -281,8 +291,10 @@ class Scheduler:
 
     def compile_count(self) -> int:
         """Programs compiled so far for this scheduler's step functions (shared with any other scheduler
-        on the same model and statics); fixed after warm-up."""
-        programs = (self._prefill, self._prefill_upper, self._decode, self._plp)
+        on the same model and statics): the model's steps and the sampler's pick program (two forms: with
+        and without sampled rows). Fixed once each form has run; the sampler's filter programs
+        (``sampling.filter_steps``) are shared by every scheduler and not counted here."""
+        programs = (self._prefill, self._prefill_upper, self._decode, self._plp, self._pick)
         return sum(f._cache_size() for f in programs if f is not None)
 
     # ------------------------------------------------------------------------------------------------
@@ -362,17 +374,18 @@ class Scheduler:
             req.launched += last
         with jax.threefry_partitionable(True):
             if self._prefill_upper is None:
-                self.state, out = self._prefill(self.params, self.state, inp, self.consts)
+                self.state, res = self._prefill(self.params, self.state, inp, self.consts)
             else:
                 self.state, carry = self._prefill(self.params, self.state, inp, self.consts)
                 if self._needs_upper(inp):
-                    self.state, out = self._prefill_upper(self.params, self.state, carry, inp, self.consts)
+                    self.state, res = self._prefill_upper(self.params, self.state, carry, inp, self.consts)
                 else:  # every row lies before its replay window: nothing above the last KV source to run
                     assert not (inp["take_sample"].any() or want_plp), "a sampled row is always replayed"
-                    out = {}
+                    res = {}
                     self.skipped_upper += 1
-            plp = self._plp(self.params, out["hidden"], next_tok, self.consts["valid_v"]) if want_plp else None
-        out.pop("hidden", None)
+            plp = self._plp(self.params, res["hidden"], next_tok, self.consts["valid_v"]) if want_plp else None
+            # a step in which no row finishes its prompt samples nothing: the sampler's programs are skipped
+            out = self._sample(res["pre"], inp) if inp["take_sample"].any() else {}
         return _Launched(out, rows, plp)
 
     def _launch_decode(self, slots: list[Request | None]) -> _Launched:
@@ -387,9 +400,24 @@ class Scheduler:
             self._set_sampling(inp, b, req, p + 1)
             rows.append(_Row(b, req, True))
             req.launched += 1
+        return _Launched(self.decode_step(inp), rows)
+
+    def decode_step(self, inp: dict) -> dict:
+        """Launch one decode step on inputs from ``_common_inputs(1)`` (the model's program, then the
+        sampler's) -> the device results to read; the slots' state moves on. Benchmarks call it too."""
         with jax.threefry_partitionable(True):
-            self.state, out = self._decode(self.params, self.state, inp, self.consts)
-        return _Launched(out, rows)
+            self.state, res = self._decode(self.params, self.state, inp, self.consts)
+            return self._sample(res["pre"], inp)
+
+    def _sample(self, pre: dict, inp: dict) -> dict:
+        """The sampler's programs after a model step (``sampling.filter_steps`` as the step's SamplerPlan
+        asks, then the pick program, which updates the sampler's part of the state) -> results to read."""
+        plan = self.sampler_plan or sampling.SamplerPlan.of(inp["sampling"], inp["take_sample"])
+        keep, q, t_p = sampling.filter_steps(pre["xs"], inp["sampling"], plan)
+        sampler_state, out = self._pick({k: self.state[k] for k in SAMPLER_STATE}, pre, keep, q, t_p,
+                                        {k: inp[k] for k in PICK_INPUTS}, self.consts)
+        self.state = {**self.state, **sampler_state}
+        return out
 
     # ------------------------------------------------------------------------------------------------
     @staticmethod
