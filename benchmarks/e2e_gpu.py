@@ -23,6 +23,8 @@ Sections:
   (``Scheduler.decode_step``; the rows use top-p and no top-k, so the top-k search is skipped).
 * fullsampler: the decode row at --profile-batch and the first context with the sampler's plan forced
   to run every program (``SamplerPlan()``): what the plan saves, against the decode section's row.
+* searchbits: the same row with the searches settling 4 bits a pass (8 passes of 15 masked sums)
+  instead of 2 (16 of 3), on the rows' own plan.
 * profile: one decode step (at --profile-batch and the first context) timed per kernel by CUPTI,
   largest first, each XLA kernel with the jax op it came from (GPU only). On jax 0.11.2 the list missed
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
@@ -787,6 +789,9 @@ def main(argv=None):
     if "fullsampler" in want:   # A/B of the sampler's plan against the decode section's row
         section("full-sampler-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
                 "full-sampler", 10, SamplerPlan())
+    if "searchbits" in want:   # A/B of the search's bits per pass: the decode rows' own plan at 4 bits
+        section("search-bits4-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
+                "search-bits-4", 10, SamplerPlan(sampled=True, top_k=False, top_p=True, search_bits=4))
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),

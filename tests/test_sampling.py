@@ -123,8 +123,8 @@ def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):
     rows = empty_rows(1)
     set_row(rows, 0, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p))
     xs = jnp.asarray(x[None])
-    keep_k, q, t_p = sampling_mod.filter_steps(xs, rows, sampling_mod.SamplerPlan())
-    keep = np.asarray(sampling_mod.sampled_keep(xs, keep_k, q, t_p, rows))[0]
+    keep_kp, q = sampling_mod.filter_steps(xs, rows, sampling_mod.SamplerPlan())
+    keep = np.asarray(sampling_mod.sampled_keep(xs, keep_kp, q, rows))[0]
     np.testing.assert_array_equal(keep, keep_ref)
     n = 256  # sampled tokens, all within the kept set
     p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -157,8 +157,10 @@ def test_skipped_searches_give_the_full_samplers_bits():
             set_row(rows, i, p)
         assert sampling_mod.SamplerPlan.of(rows) == want[name], name
         planned, full = _run(x, params), _run(x, params, plan=sampling_mod.SamplerPlan())
+        wide = _run(x, params, plan=sampling_mod.SamplerPlan(search_bits=4))   # 4 bits a pass: the same t
         for k in full:
             assert np.asarray(planned[k]).tobytes() == np.asarray(full[k]).tobytes(), (name, k)
+            assert np.asarray(wide[k]).tobytes() == np.asarray(full[k]).tobytes(), (name, k)
     # rows that take no sample this step choose nothing
     assert sampling_mod.SamplerPlan.of(rows, np.zeros(6, bool)) == sampling_mod.SamplerPlan(False, False, False)
     keys = jnp.arange(8, dtype=jnp.uint32).reshape(2, 4)

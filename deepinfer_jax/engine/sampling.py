@@ -15,8 +15,8 @@ A row's sample is a function of its own logits, its own parameters and its own k
   a fraction of that);
 * the pick is Gumbel-max over the kept tokens; greedy (temperature 0) is the argmax (ties: lower id).
 
-Stages: ``prepare`` (inside the model's step), then separate programs: ``search_top_k``, ``keep_top_k``,
-``search_top_p`` (``filter_steps``) and ``pick``. The host chooses per step which of them run
+Stages: ``prepare`` (inside the model's step), then separate programs: ``top_k_keep`` (or
+``alive_keep``), ``renormalise``, ``top_p_keep`` (``filter_steps``) and ``pick``. The host chooses per step which of them run
 (``SamplerPlan``: no search nobody in the step uses, no filter for an all-greedy step); the programs
 themselves never change with the plan, so neither can a row's bits.
 
@@ -181,6 +181,11 @@ def row_keys(engine_key: jax.Array, seeds_b2: jax.Array, positions_b: jax.Array)
     return jax.vmap(one)(seeds_b2, positions_b)
 
 
+# Two bits a pass: 16 passes of three masked sums instead of 32 of one (the indexer's top-k measured
+# 1.59 ms at two bits against 2.11 at one on the H200, pallas_kernels/topk/select.py).
+SEARCH_BITS = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerPlan:
     """Which of the sampler's programs a step runs, from the rows that take a sample this step.
@@ -189,8 +194,8 @@ class SamplerPlan:
         searches and the Gumbel noise are skipped.
     top_k / top_p: some sampled row uses top-k / top-p; else that threshold search (16 passes over every
         row's vocabulary) is skipped. A row that does not use top-k keeps its alive tokens whatever the
-        top-k threshold is, and a row that does not use top-p ignores the top-p threshold
-        (``keep_top_k``, ``pick``), so skipping a search changes no row's result.
+        top-k threshold is, and a row that does not use top-p keeps the set it had (``top_k_keep``,
+        ``top_p_keep``), so skipping a stage changes no row's result.
 
     Measured on the H200 12-layer slice's decode step (B=64): each search is 16 passes of two launches,
     ~0.4 ms of the ~1.1 ms the sampler took inside the step (benchmarks/NOTES.md item -18)."""
@@ -198,6 +203,7 @@ class SamplerPlan:
     sampled: bool = True
     top_k: bool = True
     top_p: bool = True
+    search_bits: int = SEARCH_BITS   # threshold bits each search pass settles (a benchmark A/B)
 
     @classmethod
     def of(cls, rows: dict[str, np.ndarray], take_b: np.ndarray | None = None) -> "SamplerPlan":
@@ -209,19 +215,14 @@ class SamplerPlan:
                    top_p=bool((sampled & (np.asarray(rows["top_p"]) < 1.0)).any()))
 
 
-# Two bits a pass: 16 passes of three masked sums instead of 32 of one (the indexer's top-k measured
-# 1.59 ms at two bits against 2.11 at one on the H200, pallas_kernels/topk/select.py).
-SEARCH_BITS = 2
-
-
-def _least_key_below(key_bv, mass_bv, budget_b) -> jax.Array:
+def _least_key_below(key_bv, mass_bv, budget_b, bits: int = SEARCH_BITS) -> jax.Array:
     """uint32[B]: per row, the smallest t with sum(mass[key > t]) < budget (``select.least_key_below``;
     mass None counts keys). The passes are unrolled, with no control flow: on a GPU a loop's predicate is
     a device-to-host round trip that also stops the host from queueing the next step (measured on the
     H200 slice: 64 of a decode step's 66 device-to-host copies were the earlier bisection loops')."""
     from pallas_kernels.topk.select import least_key_below
 
-    return least_key_below(key_bv, budget_b, SEARCH_BITS, mass_bv)
+    return least_key_below(key_bv, budget_b, bits, mass_bv)
 
 
 def _first_n_of_ties(key_bv, alive_bv, t_b, mass_bv, budget_b):
@@ -263,29 +264,39 @@ def prepare(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen
     return {"xs": xs_bv, "logp": logp_bv, "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
 
 
-def search_top_k(xs_bv: jax.Array, top_k_b: jax.Array) -> jax.Array:
-    """uint32[B]: each row's top-k threshold key (the k-th largest alive key; rows with top_k 0: unused)."""
+def top_k_keep(xs_bv: jax.Array, top_k_b: jax.Array, bits: int = SEARCH_BITS) -> jax.Array:
+    """bool[B, V]: the tokens top-k keeps: the k largest alive values, ties at the k-th to the lower ids
+    (rows with top_k 0: every alive token). The k-th value is found by a search on the float bits."""
     alive = xs_bv > -jnp.inf
+    key = _order_key(xs_bv)
     k_eff = jnp.where(top_k_b > 0, top_k_b, xs_bv.shape[1])
     # dead tokens get key 0, which is above no threshold: integer counts of the alive keys above t
-    return _least_key_below(jnp.where(alive, _order_key(xs_bv), jnp.uint32(0)), None, k_eff)
+    t_k = _least_key_below(jnp.where(alive, key, jnp.uint32(0)), None, k_eff, bits)
+    by_k = _first_n_of_ties(key, alive, t_k, jnp.ones_like(xs_bv), k_eff.astype(jnp.float32))
+    return jnp.where((top_k_b > 0)[:, None], by_k, alive)
 
 
-def keep_top_k(xs_bv: jax.Array, top_k_b: jax.Array, t_k_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(keep bool[B, V], q f32[B, V]): the tokens top-k keeps (rows with top_k 0: every alive token, so
-    t_k is not read for them), and the probabilities renormalised over that set."""
-    alive = xs_bv > -jnp.inf
-    k_eff = jnp.where(top_k_b > 0, top_k_b, xs_bv.shape[1]).astype(jnp.float32)
-    by_k = _first_n_of_ties(_order_key(xs_bv), alive, t_k_b, jnp.ones_like(xs_bv), k_eff)
-    keep = jnp.where((top_k_b > 0)[:, None], by_k, alive)
-    z = jnp.where(keep, xs_bv, -jnp.inf)
+def alive_keep(xs_bv: jax.Array) -> jax.Array:
+    """bool[B, V]: every alive token: what ``top_k_keep`` keeps for a row without top-k."""
+    return xs_bv > -jnp.inf
+
+
+def renormalise(xs_bv: jax.Array, keep_bv: jax.Array) -> jax.Array:
+    """f32[B, V]: each row's probabilities renormalised over its kept tokens (0 elsewhere)."""
+    z = jnp.where(keep_bv, xs_bv, -jnp.inf)
     q = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-    return keep, q / jnp.sum(q, axis=-1, keepdims=True)
+    return q / jnp.sum(q, axis=-1, keepdims=True)
 
 
-def search_top_p(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, top_p_b: jax.Array) -> jax.Array:
-    """uint32[B]: each row's nucleus threshold key over its top-k set (rows with top_p 1: unused)."""
-    return _least_key_below(_order_key(xs_bv), jnp.where(keep_bv, q_bv, 0.0), top_p_b)
+def top_p_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, top_p_b: jax.Array,
+               bits: int = SEARCH_BITS) -> jax.Array:
+    """bool[B, V]: the nucleus within each row's kept set: tokens in the order (value descending, id
+    ascending) while the mass before them is < top_p (rows with top_p 1: keep_bv). The boundary value is
+    found by a search on the float bits, weighted by q."""
+    key = _order_key(xs_bv)
+    t_p = _least_key_below(key, jnp.where(keep_bv, q_bv, 0.0), top_p_b, bits)
+    nucleus = _first_n_of_ties(key, keep_bv, t_p, q_bv, top_p_b)
+    return jnp.where((top_p_b < 1.0)[:, None], nucleus, keep_bv)
 
 
 def _first_argmax(z_bv: jax.Array) -> jax.Array:
@@ -296,28 +307,25 @@ def _first_argmax(z_bv: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(z_bv == top, ids, z_bv.shape[-1]), axis=-1)
 
 
-def sampled_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, t_p_b: jax.Array,
-                 rows: dict[str, jax.Array]) -> jax.Array:
-    """bool[B, V]: the tokens a sampled row draws from: top-k's set (keep_bv, q_bv from ``keep_top_k``),
-    then top-p's (t_p_b from ``search_top_p``; rows with top_p 1 ignore it), then min-p's; rows that set
-    none of the three: every alive token."""
-    top_p, min_p = rows["top_p"], rows["min_p"]
-    nucleus = _first_n_of_ties(_order_key(xs_bv), keep_bv, t_p_b, q_bv, top_p)
-    keep = jnp.where((top_p < 1.0)[:, None], nucleus, keep_bv)
-    keep = keep & (q_bv >= min_p[:, None] * jnp.max(q_bv, axis=-1, keepdims=True))
-    filtering = (rows["top_k"] > 0) | (top_p < 1.0) | (min_p > 0.0)
+def sampled_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, rows: dict[str, jax.Array]) -> jax.Array:
+    """bool[B, V]: the tokens a sampled row draws from: the top-k and top-p set (keep_bv, from
+    ``filter_steps``), then min-p's (q_bv: the probabilities over top-k's set); rows that set none of
+    the three: every alive token."""
+    min_p = rows["min_p"]
+    keep = keep_bv & (q_bv >= min_p[:, None] * jnp.max(q_bv, axis=-1, keepdims=True))
+    filtering = (rows["top_k"] > 0) | (rows["top_p"] < 1.0) | (min_p > 0.0)
     return jnp.where(filtering[:, None], keep, True) & (xs_bv > -jnp.inf)
 
 
-def pick(xs_bv: jax.Array, keep_bv: jax.Array | None, q_bv: jax.Array | None, t_p_b: jax.Array | None,
-         rows: dict[str, jax.Array], keys_b: jax.Array) -> jax.Array:
+def pick(xs_bv: jax.Array, keep_bv: jax.Array | None, q_bv: jax.Array | None, rows: dict[str, jax.Array],
+         keys_b: jax.Array) -> jax.Array:
     """int32[B]: each row's token. Greedy rows (temperature 0) take the argmax of xs (ties: lower id);
     the others Gumbel-max over ``sampled_keep``. keep_bv None: no row samples (SamplerPlan.sampled
     False), so only the argmax is computed."""
     greedy_tok = _first_argmax(xs_bv)
     if keep_bv is None:
         return greedy_tok.astype(jnp.int32)
-    keep = sampled_keep(xs_bv, keep_bv, q_bv, t_p_b, rows)
+    keep = sampled_keep(xs_bv, keep_bv, q_bv, rows)
     gumbel_bv = jax.vmap(lambda k: jax.random.gumbel(k, (xs_bv.shape[1],), jnp.float32))(keys_b)
     # Materialise the noise: fused into the argmax's reduction loop, XLA:CPU runs threefry + log ~4x slower.
     gumbel_bv = jax.lax.optimization_barrier(gumbel_bv)
@@ -325,34 +333,25 @@ def pick(xs_bv: jax.Array, keep_bv: jax.Array | None, q_bv: jax.Array | None, t_
     return jnp.where(rows["temperature"] <= 0.0, greedy_tok, noisy).astype(jnp.int32)
 
 
-_search_top_k_step = jax.jit(search_top_k)
-_keep_top_k_step = jax.jit(keep_top_k)
-_search_top_p_step = jax.jit(search_top_p)
+_top_k_keep_step = jax.jit(top_k_keep, static_argnames="bits")
+_alive_keep_step = jax.jit(alive_keep)
+_renormalise_step = jax.jit(renormalise)
+_top_p_keep_step = jax.jit(top_p_keep, static_argnames="bits")
 
 
-def filter_steps(xs_bv: jax.Array, rows: dict, plan: SamplerPlan):
-    """Run the filter's programs the plan needs -> (keep, q, t_p) for ``pick`` (all None when no row
-    samples). A skipped search's threshold is zeros: no row that reads it exists in this step."""
+def filter_steps(xs_bv: jax.Array, rows: dict, plan: SamplerPlan) -> tuple[jax.Array | None, jax.Array | None]:
+    """Run the filter's programs the plan needs -> (keep, q) for ``pick`` (both None when no row
+    samples). Each stage is a program of its own and always the same one, so whether a stage ran for
+    this step's neighbours never changes a row's bits: a skipped stage's result is what the stage gives
+    a row that does not use it (top-k: the alive set; top-p: the set it was given)."""
     if not plan.sampled:
-        return None, None, None
-    t_k = _search_top_k_step(xs_bv, rows["top_k"]) if plan.top_k else _no_thresholds(xs_bv)
-    keep, q = _keep_top_k_step(xs_bv, rows["top_k"], t_k)
-    t_p = _search_top_p_step(xs_bv, keep, q, rows["top_p"]) if plan.top_p else _no_thresholds(xs_bv)
-    return keep, q, t_p
-
-
-def _no_thresholds(xs_bv: jax.Array) -> jax.Array:
-    """uint32[B] zeros placed as a search's result would be (rows split like xs's rows, committed to
-    devices if xs is): a host array, or another placement, is another entry in the next program's jit
-    cache, so another compile."""
-    zeros = np.zeros(xs_bv.shape[:1], np.uint32)
-    if not xs_bv.committed:
-        return jax.device_put(zeros)
-    sharding = xs_bv.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = sharding.spec
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0] if spec else None))
-    return jax.device_put(zeros, sharding)
+        return None, None
+    bits = plan.search_bits
+    keep = _top_k_keep_step(xs_bv, rows["top_k"], bits=bits) if plan.top_k else _alive_keep_step(xs_bv)
+    q = _renormalise_step(xs_bv, keep)
+    if plan.top_p:
+        keep = _top_p_keep_step(xs_bv, keep, q, rows["top_p"], bits=bits)
+    return keep, q
 
 
 def token_results(pre: dict[str, jax.Array], token_b: jax.Array) -> dict[str, jax.Array]:
@@ -362,8 +361,8 @@ def token_results(pre: dict[str, jax.Array], token_b: jax.Array) -> dict[str, ja
 
 
 @jax.jit
-def _pick_step(pre, keep, q, t_p, rows, keys_b):
-    return token_results(pre, pick(pre["xs"], keep, q, t_p, rows, keys_b))
+def _pick_step(pre, keep, q, rows, keys_b):
+    return token_results(pre, pick(pre["xs"], keep, q, rows, keys_b))
 
 
 _prepare_step = jax.jit(prepare)
@@ -380,8 +379,8 @@ def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_
     its model step and the state update inside its pick program (engine/scheduler.py)."""
     plan = SamplerPlan.of(rows, take_b) if plan is None else plan
     pre = _prepare_step(logits_bv, valid_v, counts_bv, seen_bv, rows)
-    keep, q, t_p = filter_steps(pre["xs"], rows, plan)
-    return _pick_step(pre, keep, q, t_p, rows, keys_b)
+    keep, q = filter_steps(pre["xs"], rows, plan)
+    return _pick_step(pre, keep, q, rows, keys_b)
 
 
 TOPK_BLOCK = 1024
@@ -416,6 +415,6 @@ def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[j
     return val, jnp.take_along_axis(idx_bjk.reshape(b, kb * k), pos, axis=1)
 
 
-__all__ = ["MAX_LOGPROBS", "SamplerPlan", "SamplingParams", "empty_rows", "filter_steps", "keep_top_k", "pick", "prepare",
-           "request_seed", "row_keys", "sample", "sampled_keep", "search_top_k", "search_top_p", "seed_words", "set_row",
-           "token_results", "top_k_by_blocks"]
+__all__ = ["MAX_LOGPROBS", "SamplerPlan", "SamplingParams", "empty_rows", "alive_keep", "filter_steps", "pick", "prepare",
+           "request_seed", "row_keys", "renormalise", "sample", "sampled_keep", "seed_words", "set_row",
+           "token_results", "top_k_by_blocks", "top_k_keep", "top_p_keep"]

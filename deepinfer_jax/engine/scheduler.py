@@ -137,11 +137,11 @@ def _prepare_sample(state, logits_bv, inp, consts):
     return sampling.prepare(logits_bv, consts["valid_v"], state["counts"], state["seen"], inp["sampling"])
 
 
-def _pick_into_state(sampler_state, pre, keep, q, t_p, inp, consts, *, keys_fn, readable):
+def _pick_into_state(sampler_state, pre, keep, q, inp, consts, *, keys_fn, readable):
     """The sampler's last program: each row's token (``sampling.pick``), written into the slot's counts,
     seen-mask and ``next_token`` where the row takes its sample -> (sampler_state, results to read)."""
     keys = keys_fn(consts["engine_key"], inp["seeds"], inp["sample_positions"])
-    res = sampling.token_results(pre, sampling.pick(pre["xs"], keep, q, t_p, inp["sampling"], keys))
+    res = sampling.token_results(pre, sampling.pick(pre["xs"], keep, q, inp["sampling"], keys))
     take = inp["take_sample"]
     counts = sampler_state["counts"]
     slots = jnp.arange(take.shape[0])
@@ -413,8 +413,8 @@ class Scheduler:
         """The sampler's programs after a model step (``sampling.filter_steps`` as the step's SamplerPlan
         asks, then the pick program, which updates the sampler's part of the state) -> results to read."""
         plan = self.sampler_plan or sampling.SamplerPlan.of(inp["sampling"], inp["take_sample"])
-        keep, q, t_p = sampling.filter_steps(pre["xs"], inp["sampling"], plan)
-        sampler_state, out = self._pick({k: self.state[k] for k in SAMPLER_STATE}, pre, keep, q, t_p,
+        keep, q = sampling.filter_steps(pre["xs"], inp["sampling"], plan)
+        sampler_state, out = self._pick({k: self.state[k] for k in SAMPLER_STATE}, pre, keep, q,
                                         {k: inp[k] for k in PICK_INPUTS}, self.consts)
         self.state = {**self.state, **sampler_state}
         return out
