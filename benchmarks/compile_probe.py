@@ -70,11 +70,12 @@ def resolve_as_cuda() -> None:
 
 
 def abstract_params(cfg):
-    """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16),
-    as ShapeDtypeStructs."""
+    """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16,
+    mHC's split stream-mix weights), as ShapeDtypeStructs."""
     from deepinfer_jax.checkpoint.names import JNP_DTYPES
     from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, expected_tensors
     from deepinfer_jax.model.linear import dequantize_dense_fp8
+    from deepinfer_jax.model.mhc import prepare_stream_dots
     from deepinfer_jax.model.moe import prepare_expert_scales
     from slice_model import _leaf_table
 
@@ -87,7 +88,7 @@ def abstract_params(cfg):
             node = node.setdefault(p, {})
         node[path[-1]] = jax.ShapeDtypeStruct((counts[path], *shape) if path in counts else shape, JNP_DTYPES[dtype])
     tree["layers"] = tuple(tree["layers"][i] for i in range(cfg.num_hidden_layers))
-    return jax.eval_shape(lambda p: dequantize_dense_fp8(prepare_expert_scales(p)), tree)
+    return jax.eval_shape(lambda p: prepare_stream_dots(dequantize_dense_fp8(prepare_expert_scales(p))), tree)
 
 
 def place_on(tree, sharding):

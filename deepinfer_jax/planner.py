@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import AttnMode, ModelConfig
 from deepinfer_jax.model.cache import cache_shapes
 from deepinfer_jax.model.linear import held_as_bf16
+from deepinfer_jax.model.mhc import is_stream_mix_fn
 from deepinfer_jax.model.numerics import ENGINE_NUMERICS, Numerics, as_numerics
 from deepinfer_jax.sharding import (DEFAULT_RULES, MeshSpec, ShardingRules, abstract_params, leaf_spec, local_shape,
                                     tree_paths, validate_model_mesh)
@@ -66,6 +67,8 @@ class MemoryPlan:
     _experts_path: str = dataclasses.field(repr=False, compare=False, default="gather")
     _head_tokens: int | None = dataclasses.field(repr=False, compare=False, default=None)
     _sampler: bool = dataclasses.field(repr=False, compare=False, default=False)
+    _dense_bf16: bool = dataclasses.field(repr=False, compare=False, default=False)
+    _stream_dot_parts: bool = dataclasses.field(repr=False, compare=False, default=False)
 
     @property
     def weight_bytes(self) -> int:
@@ -105,7 +108,8 @@ class MemoryPlan:
         args = dict(cfg=self._cfg, mesh_shape=self.mesh, slots=self.slots, max_len=self.max_len,
                     numerics=self.numerics, step_tokens=self.step_tokens, groups=self._groups, rules=self._rules,
                     extra_per_slot_bytes=self._extra_per_slot, experts_path=self._experts_path,
-                    head_tokens=self._head_tokens, sampler=self._sampler)
+                    head_tokens=self._head_tokens, sampler=self._sampler, dense_bf16=self._dense_bf16,
+                    stream_dot_parts=self._stream_dot_parts)
         args.update(changes)
         return plan_memory(**args)
 
@@ -246,6 +250,14 @@ def _dense_fp8_bytes(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, group
                for path, sd in tree_paths(params) if held_as_bf16(path, sd))
 
 
+def _stream_dot_parts_bytes(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, groups: tuple[str, ...]) -> int:
+    """Bytes per device of the bf16 parts ``mhc.prepare_stream_dots`` holds beside each mHC ``hc_*_fn``
+    (3 bf16 values per fp32 one, laid out as fn)."""
+    params = abstract_params(cfg, groups, mesh=ms, rules=rules)
+    return sum(3 * 2 * math.prod(local_shape(sd.shape, leaf_spec(path, sd.shape, ms, rules, cfg), ms))
+               for path, sd in tree_paths(params) if is_stream_mix_fn(path[-1], sd))
+
+
 def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slots: int, max_len: int,
                       step_tokens: int, numerics: Numerics, experts_path: str, head_tokens: int | None = None,
                       sampler: bool = False) -> list[tuple[str, int]]:
@@ -318,13 +330,15 @@ def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], sl
                 numerics: Numerics | str = "reference", *, step_tokens: int = 1, groups: Sequence[str] = ("backbone",),
                 rules: ShardingRules = DEFAULT_RULES, extra_per_slot_bytes: int = 0,
                 experts_path: str = "gather", head_tokens: int | None = None, sampler: bool = False,
-                dense_bf16: bool = False) -> MemoryPlan:
+                dense_bf16: bool = False, stream_dot_parts: bool = False) -> MemoryPlan:
     """Bytes per device. ``step_tokens``: tokens per slot in one step (1 = decode, the prefill chunk
     otherwise). ``extra_per_slot_bytes``: the engine's own per-slot device state (e.g. sampler counts).
     ``experts_path``: "gather" (the XLA path today) or "grouped" (a grouped-GEMM kernel).
     ``head_tokens``: tokens per slot the LM head runs on (None: every step token, as ``forward``; the
     engine passes 1). ``sampler``: count the engine's in-step sampler over whole vocabulary rows.
-    ``dense_bf16``: the dense FP8 linears are held dequantized (the GPU engine, ``dequantize_dense_fp8``)."""
+    ``dense_bf16``: the dense FP8 linears are held dequantized (the GPU engine, ``dequantize_dense_fp8``).
+    ``stream_dot_parts``: mHC's stream-mix weights are held with their bf16 parts too (the engine, with
+    ``Numerics.bf16_stream_dot``: ``mhc.prepare_stream_dots``)."""
     if experts_path not in EXPERT_PATHS:
         raise ValueError(f"experts_path must be one of {EXPERT_PATHS}, got {experts_path!r}")
     ms = MeshSpec.parse(mesh_shape)
@@ -335,13 +349,15 @@ def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], sl
     weights = _weight_bytes(cfg, ms, rules, tuple(groups))
     if dense_bf16:
         weights["dense FP8 linears held as bf16 (+1 B each)"] = _dense_fp8_bytes(cfg, ms, rules, tuple(groups))
+    if stream_dot_parts:
+        weights["mHC stream-mix weights' bf16 parts"] = _stream_dot_parts_bytes(cfg, ms, rules, tuple(groups))
     caches = _local_bytes(cache_shapes(cfg, slots, max_len, num), ms, rules, cfg, _cache_group)
     if extra_per_slot_bytes:
         caches["engine per-slot state"] = extra_per_slot_bytes * (slots // ms.axis_size(rules.mesh_axes("batch")))
     acts = _activation_terms(cfg, ms, rules, slots, max_len, step_tokens, num, experts_path, head_tokens, sampler)
     return MemoryPlan(ms, slots, max_len, step_tokens, num, tuple(sorted(weights.items(), key=lambda kv: -kv[1])),
                       tuple(sorted(caches.items(), key=lambda kv: -kv[1])), tuple(acts), cfg, tuple(groups), rules,
-                      extra_per_slot_bytes, experts_path, head_tokens, sampler)
+                      extra_per_slot_bytes, experts_path, head_tokens, sampler, dense_bf16, stream_dot_parts)
 
 
 # ------------------------------------------------------------------------------------------------------

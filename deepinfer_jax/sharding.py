@@ -270,6 +270,8 @@ _VECTOR_AXES = {  # leaf name (relative to a block) -> axes
     "ffn_norm.weight": ("embed",),
     "hc_attn_fn": ("hc_mix", "hc_embed"),
     "hc_ffn_fn": ("hc_mix", "hc_embed"),
+    "hc_attn_fn_bf16x3": ("hc_mix", "hc_embed"),   # mhc.prepare_stream_dots: [3 * mix, hc * D]
+    "hc_ffn_fn_bf16x3": ("hc_mix", "hc_embed"),
     "hc_attn_base": ("hc_mix",),
     "hc_ffn_base": ("hc_mix",),
     "hc_attn_scale": ("hc_scales",),

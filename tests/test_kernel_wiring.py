@@ -451,6 +451,38 @@ def test_gpu_forms_of_mhc_run_the_tiny_model_within_bf16_tolerance(tiny_params, 
     assert np.abs(want).max() > 1.0
 
 
+def test_mhc_split_made_at_load_changes_no_bits(tiny_params, tiny_cfg, tiny_token_map):
+    """mhc.prepare_stream_dots (the engine does it at load with the bf16 stream dot) holds each hc_*_fn's
+    bf16 parts, which stream_dot otherwise made in every step: the GPU forms' logits keep their bits,
+    the CPU's fp32 form ignores the parts, and the planner counts what is held."""
+    import dataclasses
+
+    from deepinfer_jax.model import mhc
+    from deepinfer_jax.planner import plan_memory
+    from deepinfer_jax.sharding import tree_paths
+    from test_model_consistency import _prompts, run_chunks
+
+    held = mhc.prepare_stream_dots(tiny_params)
+    before = dict(tree_paths(tiny_params))
+    added = {p: leaf for p, leaf in tree_paths(held) if p not in before}
+    fns = [p for p, leaf in before.items() if mhc.is_stream_mix_fn(p[-1], leaf)]
+    assert len(fns) == 2 * tiny_cfg.num_hidden_layers
+    assert sorted(added) == sorted(p[:-1] + (p[-1] + mhc.SPLIT_SUFFIX,) for p in fns)
+    for p in fns:
+        assert np.array_equal(np.asarray(added[p[:-1] + (p[-1] + mhc.SPLIT_SUFFIX,)]),
+                              np.asarray(mhc.split_bf16x3(before[p])))
+    plain = plan_memory(tiny_cfg, "data=1", 2, 64)
+    with_parts = plan_memory(tiny_cfg, "data=1", 2, 64, stream_dot_parts=True)
+    assert with_parts.weight_bytes - plain.weight_bytes == sum(leaf.nbytes for leaf in added.values())
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    cpu = Numerics.reference()
+    gpu = dataclasses.replace(cpu, stream_dot_bf16=True, sinkhorn_unroll=True, sinkhorn_segment_rows=8)
+    for nq in (gpu, cpu):
+        want = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, nq)
+        got = run_chunks(held, tiny_cfg, tiny_token_map, prompts, 7, nq)
+        assert np.array_equal(got, want)
+
+
 def test_mhc_mixes_through_the_sinkhorn_kernel_in_gpu_interpreter():
     """mHC's Sinkhorn rounds by the Mosaic GPU kernel (the Hopper default, ``kernels`` "sinkhorn") in
     the interpreter, and by the op's XLA fallback ("ops"), against the CPU's XLA loop: the rounds'

@@ -21,6 +21,7 @@ from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
 from deepinfer_jax.model.linear import dequantize_dense_fp8
+from deepinfer_jax.model.mhc import prepare_stream_dots
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel
 from deepinfer_jax.model.numerics import Numerics, as_numerics
 from deepinfer_jax.planner import MemoryPlan, PlanError, parse_bytes, plan_memory
@@ -84,7 +85,8 @@ def check_memory(cfg: ModelConfig, slots: int, max_len: int, numerics: Numerics,
     # the engine's steps run the LM head on one position per slot and sample inside the step
     plan = plan_memory(cfg, mesh, slots, max_len, numerics, step_tokens=chunk_size, rules=rules,
                        extra_per_slot_bytes=sampler_state_bytes(cfg), head_tokens=1, sampler=True,
-                       dense_bf16=experts_run_kernel(as_numerics(numerics)))
+                       dense_bf16=experts_run_kernel(as_numerics(numerics)),
+                       stream_dot_parts=as_numerics(numerics).bf16_stream_dot())
     if limit is None:
         return plan
     limit = parse_bytes(limit)
@@ -149,6 +151,8 @@ class LLM:
             self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics,
                                                                     tile_major=mesh is None, donate=True)
             self.params = dequantize_dense_fp8(self.params)
+        if self.numerics.bf16_stream_dot():
+            self.params = prepare_stream_dots(self.params)
         if mesh is None:
             self.scheduler = Scheduler(self.params, self.cfg, self.tokenizer, self.token_map, self.numerics,
                                        self.engine_config)

@@ -14,11 +14,11 @@ from deepinfer_jax.model.mhc import stream_dot
 
 
 def hc_head_pre(x_bthd: jax.Array, fn_hk: jax.Array, base_h: jax.Array, scale_1: jax.Array, *, norm_eps: float,
-                hc_eps: float, bf16_dot: bool = False) -> jax.Array:
+                hc_eps: float, bf16_dot: bool = False, fn_parts: jax.Array | None = None) -> jax.Array:
     """-> pre [B, T, hc] fp32 from the stream x [B, T, hc, D]; fn [hc, hc*D], base [hc], scale [1].
-    bf16_dot: ``mhc.stream_dot``'s bf16 form."""
+    bf16_dot: ``mhc.stream_dot``'s bf16 form; fn_parts: its split of fn [3 * hc, hc*D] made ahead."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
-    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn_hk, bf16_dot)
+    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn_hk, bf16_dot, fn_parts)
     m = m * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + norm_eps)
     return jax.nn.sigmoid(m * scale_1.astype(jnp.float32)[0] + base_h.astype(jnp.float32)) + hc_eps

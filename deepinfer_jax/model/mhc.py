@@ -24,7 +24,43 @@ def split_bf16x3(w: jax.Array) -> jax.Array:
     return jnp.concatenate([hi, mid, lo], axis=-2)
 
 
-def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Array:
+SPLIT_SUFFIX = "_bf16x3"
+
+
+def is_stream_mix_fn(key, leaf) -> bool:
+    """Whether a params dict entry is an mHC stream-mix weight (``hc_attn_fn``, ``hc_ffn_fn``,
+    ``hc_head_fn``: fp32 [M, K]) that ``prepare_stream_dots`` splits."""
+    return (isinstance(key, str) and key.startswith("hc_") and key.endswith("_fn") and len(leaf.shape) == 2
+            and leaf.dtype == jnp.float32)
+
+
+_split_jit = jax.jit(split_bf16x3)
+
+
+def prepare_stream_dots(params):
+    """The params with each mHC stream-mix weight ``hc_*_fn`` [M, K] joined by its ``split_bf16x3`` parts
+    under ``hc_*_fn`` + SPLIT_SUFFIX (bf16 [3 * M, K]), which ``stream_dot``'s bf16 form otherwise makes
+    from fn in every step: a [72, 20480] concatenate launch per mHC call in the B=64 decode step
+    (24 of them in the H200 slice's, ~15 us each on an H100). Same values, so the same bits; 1.5x each
+    fn's bytes more at rest (``planner``). fn stays for the fp32 form. For the GPU engine, at load."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            for k, v in node.items():
+                if is_stream_mix_fn(k, v) and k + SPLIT_SUFFIX not in node:
+                    parts = _split_jit(v)
+                    sharding = getattr(v, "sharding", None)
+                    out[k + SPLIT_SUFFIX] = parts if sharding is None else jax.device_put(parts, sharding)
+            return out
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+
+    return walk(params)
+
+
+def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False, fn_parts: jax.Array | None = None) -> jax.Array:
     """x [B, T, K] @ fn [M, K]^T in fp32 -> [B, T, M], fn fp32.
 
     bf16 (``Numerics.bf16_stream_dot``), with a bf16 stream: the dot runs on bf16 operands with fp32
@@ -32,19 +68,22 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False) -> jax.Ar
     so this is the fp32 dot with another summation order (parts summed small to large), as
     ``linear.dot_f32`` does for the head. At HIGHEST on fp32 operands XLA ran it on the CUDA cores:
     48 ms of the H200 slice's 32k prefill (384 calls of [2048, 20480] x [20480, 24]; 2026-12-04 trace)
-    and a reduce fusion per call at decode. Otherwise, and for fp32 streams, the HIGHEST fp32 dot."""
+    and a reduce fusion per call at decode. Otherwise, and for fp32 streams, the HIGHEST fp32 dot.
+    fn_parts: ``split_bf16x3(fn)`` [3 * M, K] made ahead (``prepare_stream_dots``), for the bf16 form."""
     if not bf16 or x_btk.dtype != jnp.bfloat16:
         return jnp.einsum("btk,mk->btm", x_btk.astype(jnp.float32), fn_mk, precision=jax.lax.Precision.HIGHEST)
     m = fn_mk.shape[0]
-    parts = jnp.einsum("btk,mk->btm", x_btk, split_bf16x3(fn_mk.astype(jnp.float32)),
-                       preferred_element_type=jnp.float32)
+    if fn_parts is None:
+        fn_parts = split_bf16x3(fn_mk.astype(jnp.float32))
+    parts = jnp.einsum("btk,mk->btm", x_btk, fn_parts, preferred_element_type=jnp.float32)
     return (parts[..., 2 * m:] + parts[..., m:2 * m]) + parts[..., :m]
 
 
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
           hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
           bf16_dot: bool = False, sinkhorn_impl: str | None = None,
-          rows_local: Callable | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          rows_local: Callable | None = None, fn_parts: jax.Array | None = None,
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
     sinkhorn_impl: who runs the Sinkhorn rounds: None = the model's XLA code below, else the
@@ -52,13 +91,13 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     interpreter). For the XLA code: unroll, the rounds unrolled (no while loop;
     ``Numerics.sinkhorn_unroll``); segment_rows, from this many rows B*T the unrolled rounds are cut
     into segments of ``pallas_kernels.sinkhorn.SEGMENT_ROUNDS`` (``Numerics.sinkhorn_segment_rows``; None: never).
-    bf16_dot: ``stream_dot``'s bf16 form.
+    bf16_dot: ``stream_dot``'s bf16 form; fn_parts: its split of fn made ahead (``prepare_stream_dots``).
     rows_local: for the op, a wrapper that runs a function of [B, ...] arrays on each device's own
     rows (``ParallelContext.batch_local``): GSPMD cannot split a Pallas call, so on a mesh it would
     gather every device's rows and run the whole batch on each."""
     b, t, hc, d = x_bthd.shape
     f = x_bthd.astype(jnp.float32).reshape(b, t, hc * d)
-    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn, bf16_dot)
+    m = stream_dot(x_bthd.reshape(b, t, hc * d), fn, bf16_dot, fn_parts)
     m = m * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + norm_eps)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])

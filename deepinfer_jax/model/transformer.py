@@ -29,7 +29,8 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Nume
                          norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
                          unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows,
                          bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None,
-                         rows_local=getattr(parallel, "batch_local", None) if route == "op" else None)
+                         rows_local=getattr(parallel, "batch_local", None) if route == "op" else None,
+                         fn_parts=p.get(f"hc_{site}_fn{mhc.SPLIT_SUFFIX}"))
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,
@@ -138,7 +139,8 @@ def head_input(p: dict, cfg: ModelConfig, x_bthd: jax.Array, carried_pre: jax.Ar
     pre = carried_pre
     if cfg.has_hc_head:
         pre = hc_head.hc_head_pre(x_bthd, p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"],
-                                  norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, bf16_dot=numerics.bf16_stream_dot())
+                                  norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, bf16_dot=numerics.bf16_stream_dot(),
+                                  fn_parts=p.get(f"hc_head_fn{mhc.SPLIT_SUFFIX}"))
     dt = numerics.dtype
     return rms_norm(mhc.pre_apply(x_bthd, pre, dt), p["norm"]["weight"], cfg.rms_norm_eps, dt)
 
