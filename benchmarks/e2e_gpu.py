@@ -79,6 +79,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # n
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
 from deepinfer_jax.model.linear import dequantize_dense_fp8  # noqa: E402
+from deepinfer_jax.model.mhc import prepare_stream_dots  # noqa: E402
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
 from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
@@ -775,6 +776,8 @@ def main(argv=None):
         params, numerics = prepare_experts_for_kernel(params, numerics, tile_major=tile_major,
                                                       donate=params_xla is None)
         params = dequantize_dense_fp8(params)
+    if numerics.bf16_stream_dot():       # as the engine does: mHC's bf16 weight parts made once
+        params = prepare_stream_dots(params)
     RESULTS["experts_tile_major"] = tile_major
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
