@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -135,3 +136,33 @@ def test_block_amax_is_the_reduce_bit_for_bit(block):
     want = np.asarray(jnp.max(jnp.abs(jnp.asarray(x)), axis=-1, keepdims=True))
     assert got.shape == want.shape == (6, 5, 1)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _grid_cases(limit: float) -> np.ndarray:
+    """float32 values over [-limit, limit]: random magnitudes over every binade the format reaches, the
+    format's grid points, the midpoints between them (ties) and their float32 neighbours, signed zeros."""
+    rng = np.random.default_rng(0)
+    mags = np.exp2(rng.uniform(-14, np.log2(limit), 200_000)).astype(np.float32)
+    grid = np.unique(np.abs(mags.astype(DTYPE_OF[limit]).astype(np.float32)))
+    mids = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf))])
+    x = np.concatenate([mags, grid, mids, near, [0.0, limit]]).astype(np.float32)
+    x = x[np.abs(x) <= limit]
+    return np.concatenate([x, -x])
+
+
+DTYPE_OF = {448.0: ml_dtypes.float8_e4m3fn, 6.0: ml_dtypes.float4_e2m1fn}
+
+
+@pytest.mark.parametrize("limit,fn", [(448.0, "round_to_e4m3"), (6.0, "round_to_e2m1")])
+def test_rounding_to_the_grid_is_the_cast_pair(limit, fn):
+    """The quantizers' rounding (written so XLA:GPU cannot drop it as a no-op convert pair) is, bit for
+    bit, a cast to the narrow type and back (ml_dtypes, an independent implementation), ties and the
+    subnormal steps included."""
+    from deepinfer_jax.model import numerics
+
+    x = _grid_cases(limit)
+    want = x.astype(DTYPE_OF[limit]).astype(np.float32)
+    got = np.asarray(jax.jit(getattr(numerics, fn))(jnp.asarray(x)))
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, list(zip(x[bad[:5]], got[bad[:5]], want[bad[:5]]))

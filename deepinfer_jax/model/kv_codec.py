@@ -21,7 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.model.numerics import FP4_MAX, FP8_MAX, block_amax, fp4_e4m3_scale, fp4_pow2_scale, fp8_scale
+from deepinfer_jax.model.numerics import (FP4_MAX, FP8_MAX, block_amax, fp4_e4m3_scale, fp4_pow2_scale, fp8_scale,
+                                         round_to_e2m1)
 from deepinfer_jax.model.v4_quant import kv_block
 
 _E2M1 = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
@@ -122,8 +123,8 @@ def encode(layout: Layout, x: jax.Array, quantized: bool, act_dtype) -> dict:
         out["values"] = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).reshape(*lead, q)
     else:
         # (an E4M3 scale is rounded onto the E4M3 grid first, so its float32 value is stored exactly)
-        s = fp4_pow2_scale(amax) if layout.scale == "e8m0" else fp4_e4m3_scale(amax).astype(jnp.float32)
-        v = jnp.clip(xb / s, -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
+        s = fp4_pow2_scale(amax) if layout.scale == "e8m0" else fp4_e4m3_scale(amax)
+        v = round_to_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
         codes = _fp4_codes(v).reshape(*lead, q // 2, 2)
         out["values"] = codes[..., 0] | (codes[..., 1] << 4)
     out["scale"] = _pad_scales(layout, s[..., 0], dim).astype(_scale_dtype(layout))

@@ -159,9 +159,33 @@ def fp4_pow2_scale(amax: jax.Array) -> jax.Array:
     return _pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
 
 
+def round_to_e4m3(x: jax.Array) -> jax.Array:
+    """float32 -> float32 on the FP8-E4M3FN grid, nearest with ties to even: what a cast to
+    ``float8_e4m3fn`` and back gives for |x| <= 448 (callers clip first).
+
+    Why not that cast pair: XLA:GPU, under its default ``--xla_allow_excess_precision``, deletes a
+    float32 -> fp8 -> float32 pair as a no-op, so the GPU program skipped every activation rounding the
+    reference does (found in the deviceless H200 compile, 2026-12-05: no fp8 convert was left in the
+    decode step's act-quant fusions). ``reduce_precision`` is kept. With 5 exponent bits it rounds the
+    E4M3 normal range (from 2^-6) to 3 mantissa bits exactly as E4M3 does, and below 2^-6, where E4M3
+    has fixed 2^-9 steps, the rounding is ``round`` on x * 2^9 (exact scalings by powers of two)."""
+    x = x.astype(jnp.float32)
+    sub = jnp.round(x * 512.0) * (1.0 / 512.0)
+    return jnp.where(jnp.abs(x) < 2.0**-6, sub, jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=3))
+
+
+def round_to_e2m1(x: jax.Array) -> jax.Array:
+    """float32 -> float32 on the FP4-E2M1 grid (0, 0.5, 1, 1.5, 2, 3, 4, 6), nearest with ties to even
+    mantissa, for |x| <= 6: a cast to ``float4_e2m1fn`` and back, in the form XLA:GPU keeps
+    (``round_to_e4m3`` says why): 1 mantissa bit from 1 up, steps of 0.5 below."""
+    x = x.astype(jnp.float32)
+    sub = jnp.round(x * 2.0) * 0.5
+    return jnp.where(jnp.abs(x) < 1.0, sub, jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=1))
+
+
 def fp4_e4m3_scale(amax: jax.Array) -> jax.Array:
-    """Ordinary E4M3 FP4 scale e4m3(max(amax, 6 * 2^-9) / 6), returned as float8_e4m3fn."""
-    return (jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+    """Ordinary E4M3 FP4 scale e4m3(max(amax, 6 * 2^-9) / 6): float32 values on the E4M3 grid."""
+    return round_to_e4m3(jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -205,28 +229,23 @@ def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """FP8-E4M3 with one power-of-two scale per ``block`` values along the last axis (amax floored at 1e-4)."""
     xb = _blocks(x.astype(jnp.float32), block)
     s = fp8_scale(block_amax(xb))
-    q = jnp.clip(xb / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    q = round_to_e4m3(jnp.clip(xb / s, -FP8_MAX, FP8_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
-
-
-def _round_e2m1(y: jax.Array) -> jax.Array:
-    """Round |y| <= 6 to the nearest E2M1 value, ties to even mantissa (the hardware cast rule)."""
-    return y.astype(jnp.float4_e2m1fn).astype(jnp.float32)
 
 
 def fake_quant_fp4_pow2(x: jax.Array, block: int = 32) -> jax.Array:
     """FP4-E2M1 with a power-of-two (E8M0) scale per ``block`` values (index K and Q)."""
     xb = _blocks(x.astype(jnp.float32), block)
     s = fp4_pow2_scale(block_amax(xb))
-    q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
+    q = round_to_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
 
 
 def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     """FP4-E2M1 with an ordinary E4M3 scale per ``block`` values (compressed main KV)."""
     xb = _blocks(x.astype(jnp.float32), block)
-    s = fp4_e4m3_scale(block_amax(xb)).astype(jnp.float32)
-    q = _round_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
+    s = fp4_e4m3_scale(block_amax(xb))
+    q = round_to_e2m1(jnp.clip(xb / s, -FP4_MAX, FP4_MAX))
     return (q * s).reshape(x.shape).astype(x.dtype)
 
 
