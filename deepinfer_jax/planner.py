@@ -308,9 +308,9 @@ def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slot
     # ``head_tokens``: tokens per slot the head runs on (the engine's steps: 1, the last position).
     m_head = b_loc * (step_tokens if head_tokens is None else min(head_tokens, step_tokens))
     head = m_head * v_loc * f32
-    # The engine's in-step sampler works on whole vocabulary rows (gathered over the vocab axes): the
-    # gathered logits, their filtered copy, Gumbel noise, log-softmax and the top-p sort's values and
-    # indices, ~6 fp32 [slots, V] arrays.
+    # The engine's sampler works on whole vocabulary rows (gathered over the vocab axes): the gathered
+    # logits, the penalised copy and log-softmax its first stage hands on, the renormalised
+    # probabilities, the keep masks and the Gumbel noise of the later programs: ~6 fp32 [slots, V] arrays.
     v_whole = cfg.vocab_size
     sample = 6 * b_loc * v_whole * f32 if sampler else 0
     engram = (m * cfg.engram_columns * cfg.engram_head_dim * f32 + m * (hc + 1) * d * f32
@@ -335,7 +335,7 @@ def plan_memory(cfg: ModelConfig, mesh_shape: MeshSpec | str | Sequence[int], sl
     otherwise). ``extra_per_slot_bytes``: the engine's own per-slot device state (e.g. sampler counts).
     ``experts_path``: "gather" (the XLA path today) or "grouped" (a grouped-GEMM kernel).
     ``head_tokens``: tokens per slot the LM head runs on (None: every step token, as ``forward``; the
-    engine passes 1). ``sampler``: count the engine's in-step sampler over whole vocabulary rows.
+    engine passes 1). ``sampler``: count the engine's sampler over whole vocabulary rows.
     ``dense_bf16``: the dense FP8 linears are held dequantized (the GPU engine, ``dequantize_dense_fp8``).
     ``stream_dot_parts``: mHC's stream-mix weights are held with their bf16 parts too (the engine, with
     ``Numerics.bf16_stream_dot``: ``mhc.prepare_stream_dots``)."""

@@ -82,7 +82,7 @@ def check_memory(cfg: ModelConfig, slots: int, max_len: int, numerics: Numerics,
     """The engine's memory plan (``planner.plan_memory``: weights, caches, the engine's per-slot state and
     the activations of a ``chunk_size`` prefill step, per device of ``mesh``). Raises PlanError (a
     MemoryError) saying how many slots fit when it exceeds ``limit`` bytes per device (None: no check)."""
-    # the engine's steps run the LM head on one position per slot and sample inside the step
+    # the engine's steps run the LM head on one position per slot; the sampler reads whole rows after it
     plan = plan_memory(cfg, mesh, slots, max_len, numerics, step_tokens=chunk_size, rules=rules,
                        extra_per_slot_bytes=sampler_state_bytes(cfg), head_tokens=1, sampler=True,
                        dense_bf16=experts_run_kernel(as_numerics(numerics)),
