@@ -276,7 +276,9 @@ class Scheduler:
             self.consts["engram"] = {k: jnp.asarray(v) for k, v in tables.items()}
             pad_id, max_prime = int(token_map[cfg.engram_pad_token_id]), int(tables["primes"].max())
         self._model = model
-        self.sampler_plan: sampling.SamplerPlan | None = None  # None: chosen per step; set: forced (A/B runs)
+        # None: the sampler's plan is chosen per step. Set, it is forced (benchmarks' A/B runs): a plan that
+        # skips a stage some row uses changes that row's results.
+        self.sampler_plan: sampling.SamplerPlan | None = None
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self.state = self._init_state()
         self._prefill, self._prefill_upper, self._decode, self._plp, self._pick = _compiled_steps(
