@@ -166,3 +166,14 @@ def test_rounding_to_the_grid_is_the_cast_pair(limit, fn):
     got = np.asarray(jax.jit(getattr(numerics, fn))(jnp.asarray(x)))
     bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
     assert bad.size == 0, list(zip(x[bad[:5]], got[bad[:5]], want[bad[:5]]))
+
+
+@pytest.mark.parametrize("fn", ["fake_quant_fp8", "fake_quant_fp4_pow2", "fake_quant_fp4_e4m3"])
+def test_quantizers_round_without_a_narrow_cast(fn):
+    """No float8 / float4 value is made inside a fake-quantizer: XLA:GPU (default excess precision)
+    deletes such a cast and its cast back as a no-op, and the GPU program then skips the rounding."""
+    from deepinfer_jax.model import numerics
+
+    jaxpr = str(jax.make_jaxpr(getattr(numerics, fn))(jnp.ones((2, 64), jnp.float32)))
+    assert "reduce_precision" in jaxpr
+    assert not any(t in jaxpr for t in ("f8_e4m3fn", "f4_e2m1fn", "float8", "float4")), jaxpr
