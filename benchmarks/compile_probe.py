@@ -63,10 +63,11 @@ def resolve_as_cuda() -> None:
         return resolve(op, impl=impl, selection=selection, platform=platform or "cuda", device=None)
 
     registry.resolve = as_cuda
-    # the sampler's bisections are unrolled on a GPU backend (decided by jax.default_backend(), the CPU here)
-    from deepinfer_jax.engine import sampling
+    # the engine's programs take the GPU's compile options (decided by jax's first device, the CPU here)
+    from deepinfer_jax import platform
 
-    sampling._unrolled_search = lambda: True
+    options = platform.step_compiler_options
+    platform.step_compiler_options = lambda platform=None, **kw: options("cuda", **kw)
 
 
 def abstract_params(cfg):

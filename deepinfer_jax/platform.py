@@ -154,6 +154,30 @@ def select_platforms(platforms: str | Sequence[str], environ: MutableMapping[str
     return value
 
 
+# ---- compile options of the engine's programs ----------------------------------------------------------
+
+# XLA:GPU's default --xla_allow_excess_precision lets it keep a value the program rounds to bf16 (or to
+# fp8 / fp4, then back) in float32, depending on what it fuses. The engine's GPU programs turn it off,
+# so they round where the program says, as the CPU does. Measured without a GPU (deviceless H200
+# compile of the 4-layer B=64 decode step, 2026-12-05): 391 kernels against 393, 166 bf16 converts
+# against 159, so the cost is a few in-register converts. The GPU invariance script had run with it
+# off since 2026-12-04; the engine had not.
+GPU_STEP_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def step_compiler_options(platform: str | None = None, *, excess_precision: bool = False) -> dict[str, Any]:
+    """XLA compile options for the engine's jitted programs on ``platform`` (default: that of jax's
+    first device): on CUDA, rounding as the program says unless ``excess_precision``; elsewhere none
+    (the CPU rounds as written, and a PJRT plugin may not know XLA's option names)."""
+    if platform is None:
+        import jax
+
+        platform = registry.platform_name(jax.devices()[0])
+    if excess_precision or registry.canonical_platform(platform) != "cuda":
+        return {}
+    return dict(GPU_STEP_COMPILER_OPTIONS)
+
+
 # ---- determinism switches ---------------------------------------------------------------------------
 
 # CANN runtime option (aclSysParamOpt in acl/acl_rt.h): ACL_OPT_DETERMINISTIC = 0, set by

@@ -305,3 +305,18 @@ def test_ascend_install_files_agree():
     reqs = [line.strip() for line in (ROOT / "requirements-ascend.txt").read_text().splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
     assert reqs == ["-e .[ascend]"]
+
+
+def test_engine_programs_round_as_written_on_cuda_only():
+    """The engine's GPU programs are compiled without XLA's excess precision (which deleted the fp8/fp4
+    quantizers' rounding there); other platforms get no options (a PJRT plugin may not know the names)."""
+    from deepinfer_jax.platform import step_compiler_options
+
+    assert step_compiler_options("cuda") == {"xla_allow_excess_precision": False}
+    assert step_compiler_options("cuda", excess_precision=True) == {}
+    assert step_compiler_options("cpu") == {} and step_compiler_options("npu") == {}
+    assert step_compiler_options() == {}   # this CPU machine
+    # the option name is one XLA knows: a jit with it compiles and runs (an unknown name is an error)
+    f = jax.jit(lambda x: (x.astype(jnp.bfloat16) * 3).astype(jnp.float32),
+                compiler_options=step_compiler_options("cuda"))
+    assert float(f(jnp.float32(1.0))) == 3.0

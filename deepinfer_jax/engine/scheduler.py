@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax import platform
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.engine import sampling
 from deepinfer_jax.engine.engram_device import advance_history, engram_rows_device, engram_tables
@@ -81,12 +82,17 @@ class EngineConfig:
     chunk_size: int = 16
     bounded_replay: bool = True  # DeepInfer's default (spec §7): an approximation, see the module doc
     engine_seed: int = 0
+    # XLA:GPU's excess precision: True lets it keep values the program rounds (bf16, fp8, fp4) in float32
+    # where it fuses; False (default) rounds as the program says (``platform.step_compiler_options``)
+    excess_precision: bool = False
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "chunk_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.excess_precision, bool):
+            raise ValueError(f"excess_precision must be true or false, got {self.excess_precision!r}")
         if self.chunk_size > self.max_len:
             raise ValueError(f"chunk_size {self.chunk_size} exceeds max_len {self.max_len}")
         if isinstance(self.engine_seed, bool) or not isinstance(self.engine_seed, int) \
@@ -237,20 +243,22 @@ def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime):
+def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime, compiler_options=()):
     """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs, pick) programs, shared by
     every scheduler with the same statics, so a second engine on the same model (another test, another
-    LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``)."""
+    LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``).
+    compiler_options: XLA options as (name, value) pairs (``platform.step_compiler_options``)."""
     statics = dict(cfg=cfg, numerics=numerics, model=model, pad_id=pad_id, max_prime=max_prime)
+    jit = functools.partial(jax.jit, compiler_options=dict(compiler_options) or None)
     upper = None
     if model.split_at_replay:
-        prefill = jax.jit(functools.partial(_prefill_lower, **statics), donate_argnums=(1,))
-        upper = jax.jit(functools.partial(_prefill_upper, **statics), donate_argnums=(1,))
+        prefill = jit(functools.partial(_prefill_lower, **statics), donate_argnums=(1,))
+        upper = jit(functools.partial(_prefill_upper, **statics), donate_argnums=(1,))
     else:
-        prefill = jax.jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
-    decode = jax.jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
-    pick = jax.jit(functools.partial(_pick_into_state, keys_fn=keys_fn, readable=model.readable), donate_argnums=(0,))
-    return prefill, upper, decode, jax.jit(functools.partial(_prompt_logprobs, model=model)), pick
+        prefill = jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
+    decode = jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
+    pick = jit(functools.partial(_pick_into_state, keys_fn=keys_fn, readable=model.readable), donate_argnums=(0,))
+    return prefill, upper, decode, jit(functools.partial(_prompt_logprobs, model=model)), pick
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,8 +289,9 @@ class Scheduler:
         self.sampler_plan: sampling.SamplerPlan | None = None
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self.state = self._init_state()
+        options = platform.step_compiler_options(excess_precision=config.excess_precision)
         self._prefill, self._prefill_upper, self._decode, self._plp, self._pick = _compiled_steps(
-            cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime)
+            cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime, tuple(sorted(options.items())))
 
     def _init_state(self) -> dict:
         s, v = self.ec.max_slots, self.cfg.vocab_size
