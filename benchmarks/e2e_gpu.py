@@ -429,7 +429,10 @@ def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, to
     try:
         inp = fill_for_decode(sch, m, numerics, ctx)
         # The engine's decode program donates its state; profiling calls it repeatedly on one state.
-        step = jax.jit(sch._decode.__wrapped__).lower(m.params, sch.state, inp, sch.consts).compile()
+        from deepinfer_jax.platform import step_compiler_options
+
+        step = jax.jit(sch._decode.__wrapped__, compiler_options=step_compiler_options() or None).lower(
+            m.params, sch.state, inp, sch.consts).compile()
         sites = _hlo_sites(step.as_text())
         if jax.devices()[0].platform != "gpu":
             log("profile: CUPTI needs a GPU; compiled the step and traced it only")

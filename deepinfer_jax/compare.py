@@ -463,7 +463,10 @@ def _prefill_fn():
         states = jnp.stack([s[0].astype(jnp.float32) for s in out[2]]) if layers else jnp.zeros((0,))
         return lm_head(params, out[0])[0], states
 
-    return jax.jit(prefill, static_argnums=(3, 4, 5, 6))
+    from deepinfer_jax.platform import step_compiler_options
+
+    # rounding as the program says, as the engine's own programs do (platform.step_compiler_options)
+    return jax.jit(prefill, static_argnums=(3, 4, 5, 6), compiler_options=step_compiler_options() or None)
 
 
 def model_revision(ckpt_dir: str | Path) -> str:

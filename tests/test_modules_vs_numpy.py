@@ -7,6 +7,7 @@ masks) must be identical.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,6 +115,15 @@ def test_mhc_stream_dot_on_a_bf16_stream_is_the_fp32_dot():
     assert np.all(np.abs(got - want) <= 1e-5 * bound)
     assert not np.array_equal(got,
                               np.asarray(x, np.float64) @ np.asarray(jnp.asarray(fn, jnp.bfloat16), np.float64).T)
+
+
+def test_mhc_split_rounds_without_a_bf16_cast_pair():
+    """The split's roundings are reduce_precision, not bf16 casts and back: XLA:GPU deletes such a pair as
+    a no-op under its default excess precision, and the split made at load then had zero mid and lo
+    parts (seen in the deviceless H200 compile). One cast to bf16 remains, at the end, of exact values."""
+    jaxpr = str(jax.make_jaxpr(mhc.split_bf16x3)(jnp.ones((4, 8), jnp.float32)))
+    assert jaxpr.count("reduce_precision") == 3
+    assert jaxpr.count("new_dtype=bfloat16") == 1 and "new_dtype=float32" not in jaxpr
 
 
 def test_engram_inject():

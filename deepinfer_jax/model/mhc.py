@@ -13,15 +13,23 @@ import jax.numpy as jnp
 from pallas_kernels.sinkhorn import SEGMENT_ROUNDS, sinkhorn_rounds, sinkhorn_rounds_xla
 
 
+def _round_bf16(x: jax.Array) -> jax.Array:
+    """float32 -> float32 on the bf16 grid (nearest, ties to even): a cast to bf16 and back, in the form
+    XLA:GPU keeps. Under its default excess precision it deletes that cast pair as a no-op, which made
+    ``w - hi`` zero, so mid and lo were zeros in the split made at load (deviceless H200 compile,
+    2026-12-05; found in review). bf16 has fp32's exponent bits, so this is bitwise the cast pair."""
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
 def split_bf16x3(w: jax.Array) -> jax.Array:
     """fp32 w [..., M, K] -> bf16 [..., 3 * M, K]: hi, mid and lo parts, each the bf16 rounding of what
     the previous parts leave, so hi + mid + lo == w exactly for normal-range values (3 x 8 significand
     bits hold fp32's 24)."""
-    hi = w.astype(jnp.bfloat16)
-    r = w - hi.astype(jnp.float32)
-    mid = r.astype(jnp.bfloat16)
-    lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.concatenate([hi, mid, lo], axis=-2)
+    hi = _round_bf16(w)
+    r = w - hi
+    mid = _round_bf16(r)
+    lo = _round_bf16(r - mid)
+    return jnp.concatenate([hi, mid, lo], axis=-2).astype(jnp.bfloat16)   # exact: already on the grid
 
 
 SPLIT_SUFFIX = "_bf16x3"

@@ -184,8 +184,10 @@ def round_to_e2m1(x: jax.Array) -> jax.Array:
 
 
 def fp4_e4m3_scale(amax: jax.Array) -> jax.Array:
-    """Ordinary E4M3 FP4 scale e4m3(max(amax, 6 * 2^-9) / 6): float32 values on the E4M3 grid."""
-    return round_to_e4m3(jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX)
+    """Ordinary E4M3 FP4 scale e4m3(max(amax, 6 * 2^-9) / 6): float32 values on the E4M3 grid. Saturates
+    at 448 (amax beyond 6 * 448), where the bare cast gave NaN: the fake-quantizer and the KV codec, which
+    stores this scale as E4M3, then agree there too."""
+    return round_to_e4m3(jnp.minimum(jnp.maximum(amax, FP4_MAX * 2.0**-9) / FP4_MAX, FP8_MAX))
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:

@@ -90,5 +90,7 @@ def sharded_step(ctx: ParallelContext, cfg: ModelConfig, numerics: Numerics, par
         def step(params, cache, tokens_bt, positions_bt, engram_rows_btnc):
             return forward(params, cfg, cache, tokens_bt, positions_bt, engram_rows_btnc, numerics, parallel=ctx)
         in_sh = (p_sh, c_sh, b2, b2, b4)
+    from deepinfer_jax.platform import step_compiler_options
+
     return jax.jit(step, in_shardings=in_sh, out_shardings=(ctx.logits_sharding(), c_sh),
-                   donate_argnums=(1,) if donate_cache else ())
+                   donate_argnums=(1,) if donate_cache else (), compiler_options=step_compiler_options() or None)
