@@ -20,7 +20,8 @@ Sections:
   without bounded replay: tokens/s, and matmul + attention-core FLOPs over time as a fraction of the
   dense matmul rate.
   The step is the engine's: its model program, then the sampler's programs its plan picks
-  (``Scheduler.decode_step``; the rows use top-p and no top-k, so the top-k search is skipped).
+  (``Scheduler.decode_step``; the rows use top-p and no top-k and report no top-n logprobs, so the
+  top-k search and the top-20 are skipped).
 * fullsampler: the decode row at --profile-batch and the first context with the sampler's plan forced
   to run every program (``SamplerPlan()``): what the plan saves, against the decode section's row.
 * searchbits: the same row with the searches settling 4 bits a pass (8 passes of 15 masked sums)

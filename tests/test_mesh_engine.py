@@ -143,8 +143,9 @@ def test_multidev_engine_on_a_mesh_gives_the_one_device_results(mesh, engine_mod
     ref = one_device_engine
     got, again, c1, c2, sched = _run_engine(engine_model, mesh)
     assert got == again, f"{mesh}: a request's results depend on its slot or neighbours"
-    assert c1 == c2 == 5, (f"{mesh}: {c1} programs after the first run, {c2} after the second "
-                           "(prefill lower + upper parts, decode, the sampler's pick with and without sampled rows)")
+    assert c1 == c2 == 6, (f"{mesh}: {c1} programs after the first run, {c2} after the second "
+                           "(prefill lower + upper parts, decode, the sampler's pick with and without sampled rows, "
+                           "its top-20)")
     _state_is_split_over_data(sched)
     for rid, (tokens, lps, tops) in ref.items():
         g_tokens, g_lps, g_tops = got[rid]

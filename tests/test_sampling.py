@@ -150,7 +150,7 @@ def test_skipped_searches_give_the_full_samplers_bits():
     want = {"no top-k": sampling_mod.SamplerPlan(True, False, True),
             "no top-p": sampling_mod.SamplerPlan(True, True, False),
             "neither": sampling_mod.SamplerPlan(True, False, False),
-            "all greedy": sampling_mod.SamplerPlan(False, False, False)}
+            "all greedy": sampling_mod.SamplerPlan(False, False, False)}   # top_logprobs: every row (default)
     for name, params in batches.items():
         rows = empty_rows(6)
         for i, p in enumerate(params):
@@ -162,7 +162,13 @@ def test_skipped_searches_give_the_full_samplers_bits():
             assert np.asarray(planned[k]).tobytes() == np.asarray(full[k]).tobytes(), (name, k)
             assert np.asarray(wide[k]).tobytes() == np.asarray(full[k]).tobytes(), (name, k)
     # rows that take no sample this step choose nothing
-    assert sampling_mod.SamplerPlan.of(rows, np.zeros(6, bool)) == sampling_mod.SamplerPlan(False, False, False)
+    assert sampling_mod.SamplerPlan.of(rows, np.zeros(6, bool)) == sampling_mod.SamplerPlan(False, False, False, False)
+    # the top-20 runs when a row taking a sample reports it
+    assert not sampling_mod.SamplerPlan.of(rows, None, np.zeros(6, bool)).top_logprobs
+    assert not sampling_mod.SamplerPlan.of(rows, np.arange(6) < 3, np.arange(6) >= 3).top_logprobs
+    assert sampling_mod.SamplerPlan.of(rows, np.arange(6) < 3, np.arange(6) == 2).top_logprobs
+    no_top = _run(x, params, plan=sampling_mod.SamplerPlan(top_logprobs=False))
+    assert set(no_top) == {"token", "logprob"} and np.array_equal(no_top["token"], full["token"])
     keys = jnp.arange(8, dtype=jnp.uint32).reshape(2, 4)
     jaxpr = str(jax.make_jaxpr(lambda: sampling_mod._least_key_below(keys, None, jnp.array([1, 2])))())
     assert "while" not in jaxpr and "cond" not in jaxpr

@@ -16,7 +16,7 @@ A row's sample is a function of its own logits, its own parameters and its own k
 * the pick is Gumbel-max over the kept tokens; greedy (temperature 0) is the argmax (ties: lower id).
 
 Stages: ``prepare`` (inside the model's step), then separate programs: ``top_k_keep`` (or
-``alive_keep``), ``renormalise``, ``top_p_keep`` (``filter_steps``) and ``pick``. The host chooses per step which of them run
+``alive_keep``), ``renormalise``, ``top_p_keep`` (``filter_steps``), ``pick`` and ``top_logprobs``. The host chooses per step which of them run
 (``SamplerPlan``: no search nobody in the step uses, no filter for an all-greedy step); the programs
 themselves never change with the plan, so neither can a row's bits.
 
@@ -197,22 +197,29 @@ class SamplerPlan:
         top-k threshold is, and a row that does not use top-p keeps the set it had (``top_k_keep``,
         ``top_p_keep``), so skipping a stage changes no row's result.
 
+    top_logprobs: some row taking a sample asked for top-n logprobs; else the top-20 (a sort of 20
+        vocabulary blocks a row: 0.05 ms of the H100 4-layer step) is not computed. The others' results
+        are the same either way: each row's top-20 comes from one program whenever it runs.
+
     Measured on the H200 12-layer slice's decode step (B=64): each search is 16 passes of two launches,
     ~0.4 ms of the ~1.1 ms the sampler took inside the step (benchmarks/NOTES.md item -18)."""
 
     sampled: bool = True
     top_k: bool = True
     top_p: bool = True
+    top_logprobs: bool = True
     search_bits: int = SEARCH_BITS   # threshold bits each search pass settles (a benchmark A/B)
 
     @classmethod
-    def of(cls, rows: dict[str, np.ndarray], take_b: np.ndarray | None = None) -> "SamplerPlan":
-        """rows: the step's host-side ``ROW_FIELDS`` arrays; take_b: rows whose sample is used (None: all)."""
-        sampled = np.asarray(rows["temperature"]) > 0.0
-        if take_b is not None:
-            sampled &= np.asarray(take_b, bool)
+    def of(cls, rows: dict[str, np.ndarray], take_b: np.ndarray | None = None,
+           top_logprobs_b: np.ndarray | None = None) -> "SamplerPlan":
+        """rows: the step's host-side ``ROW_FIELDS`` arrays; take_b: rows whose sample is used (None: all);
+        top_logprobs_b: rows that report top-n logprobs (None: all)."""
+        take = np.ones(np.shape(rows["temperature"]), bool) if take_b is None else np.asarray(take_b, bool)
+        sampled = (np.asarray(rows["temperature"]) > 0.0) & take
+        top = take if top_logprobs_b is None else take & np.asarray(top_logprobs_b, bool)
         return cls(sampled=bool(sampled.any()), top_k=bool((sampled & (np.asarray(rows["top_k"]) > 0)).any()),
-                   top_p=bool((sampled & (np.asarray(rows["top_p"]) < 1.0)).any()))
+                   top_p=bool((sampled & (np.asarray(rows["top_p"]) < 1.0)).any()), top_logprobs=bool(top.any()))
 
 
 def _least_key_below(key_bv, mass_bv, budget_b, bits: int = SEARCH_BITS) -> jax.Array:
@@ -250,8 +257,8 @@ def prepare(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen
     """The sampler's first stage, traced inside the model's step (it needs the fp32 logits only there).
 
     -> {"xs" f32[B, V]: the penalised logits over the temperature (greedy rows: over 1), what every later
-    stage reads; "logp" f32[B, V]: the model's own log-softmax over the defined ids (reported logprobs);
-    "top_logprobs" f32[B, 20], "top_ids" int32[B, 20]: its 20 best, ties to the lower id}.
+    stage reads; "logp" f32[B, V]: the model's own log-softmax over the defined ids (reported logprobs,
+    and the top-20 of ``top_logprobs``)}.
     logits_bv: fp32 model logits; valid_v: ids the tokenizer defines; counts_bv: how often each id was
     generated so far; seen_bv: ids in the prompt or output; rows: per-row parameter arrays (ROW_FIELDS)."""
     temp = rows["temperature"]
@@ -260,8 +267,14 @@ def prepare(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen
                                 rows["frequency_penalty"][:, None])
     xs_bv = x_bv / jnp.where(temp <= 0.0, 1.0, temp)[:, None]
     logp_bv = jax.nn.log_softmax(jnp.where(valid_v, logits_bv, -jnp.inf), axis=-1)
-    top_lp, top_ids = top_k_by_blocks(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[1]))  # ties: lower id first
-    return {"xs": xs_bv, "logp": logp_bv, "top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
+    return {"xs": xs_bv, "logp": logp_bv}
+
+
+def top_logprobs(logp_bv: jax.Array) -> dict[str, jax.Array]:
+    """{"top_logprobs" f32[B, 20], "top_ids" int32[B, 20]}: each row's 20 best logprobs, ties to the
+    lower id (its own program, run when some row reports them: ``SamplerPlan.top_logprobs``)."""
+    top_lp, top_ids = top_k_by_blocks(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[1]))
+    return {"top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
 
 
 def top_k_keep(xs_bv: jax.Array, top_k_b: jax.Array, bits: int = SEARCH_BITS) -> jax.Array:
@@ -355,9 +368,8 @@ def filter_steps(xs_bv: jax.Array, rows: dict, plan: SamplerPlan) -> tuple[jax.A
 
 
 def token_results(pre: dict[str, jax.Array], token_b: jax.Array) -> dict[str, jax.Array]:
-    """What the host reads for each row: its token, that token's logprob and the top-20."""
-    return {"token": token_b, "logprob": jnp.take_along_axis(pre["logp"], token_b[:, None], axis=1)[:, 0],
-            "top_ids": pre["top_ids"], "top_logprobs": pre["top_logprobs"]}
+    """What the host reads for each row: its token and that token's logprob."""
+    return {"token": token_b, "logprob": jnp.take_along_axis(pre["logp"], token_b[:, None], axis=1)[:, 0]}
 
 
 @jax.jit
@@ -366,13 +378,15 @@ def _pick_step(pre, keep, q, rows, keys_b):
 
 
 _prepare_step = jax.jit(prepare)
+_top_logprobs_step = jax.jit(top_logprobs)
 
 
 def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_bv: jax.Array,
            rows: dict[str, np.ndarray], keys_b: jax.Array, take_b: np.ndarray | None = None,
            plan: SamplerPlan | None = None) -> dict[str, jax.Array]:
     """The whole sampler, as the engine runs it, for one batch of logits (notebooks, tests):
-    -> {"token" int32[B], "logprob" f32[B], "top_ids" int32[B, 20], "top_logprobs" f32[B, 20]}.
+    -> {"token" int32[B], "logprob" f32[B], "top_ids" int32[B, 20], "top_logprobs" f32[B, 20]} (the last
+    two when the plan computes them).
 
     rows: host arrays (they choose the SamplerPlan, unless ``plan`` is given: tests force plans with it);
     keys_b: per-row threefry keys (``row_keys``). The engine runs the same stages with ``prepare`` inside
@@ -380,7 +394,8 @@ def sample(logits_bv: jax.Array, valid_v: jax.Array, counts_bv: jax.Array, seen_
     plan = SamplerPlan.of(rows, take_b) if plan is None else plan
     pre = _prepare_step(logits_bv, valid_v, counts_bv, seen_bv, rows)
     keep, q = filter_steps(pre["xs"], rows, plan)
-    return _pick_step(pre, keep, q, rows, keys_b)
+    out = _pick_step(pre, keep, q, rows, keys_b)
+    return {**out, **_top_logprobs_step(pre["logp"])} if plan.top_logprobs else out
 
 
 TOPK_BLOCK = 1024
@@ -417,4 +432,4 @@ def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[j
 
 __all__ = ["MAX_LOGPROBS", "SamplerPlan", "SamplingParams", "empty_rows", "alive_keep", "filter_steps", "pick", "prepare",
            "request_seed", "row_keys", "renormalise", "sample", "sampled_keep", "seed_words", "set_row",
-           "token_results", "top_k_by_blocks", "top_k_keep", "top_p_keep"]
+           "token_results", "top_logprobs", "top_k_by_blocks", "top_k_keep", "top_p_keep"]

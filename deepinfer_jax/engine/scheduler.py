@@ -244,9 +244,9 @@ def _prompt_logprobs(params, h_btd, next_bt, valid_v, *, model):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime, compiler_options=()):
-    """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs, pick) programs, shared by
-    every scheduler with the same statics, so a second engine on the same model (another test, another
-    LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``).
+    """The jitted (prefill, prefill upper part or None, decode, prompt-logprobs, pick, top-20) programs,
+    shared by every scheduler with the same statics, so a second engine on the same model (another test,
+    another LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``).
     compiler_options: XLA options as (name, value) pairs (``platform.step_compiler_options``)."""
     statics = dict(cfg=cfg, numerics=numerics, model=model, pad_id=pad_id, max_prime=max_prime)
     jit = functools.partial(jax.jit, compiler_options=dict(compiler_options) or None)
@@ -258,7 +258,8 @@ def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime, compiler_o
         prefill = jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
     decode = jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
     pick = jit(functools.partial(_pick_into_state, keys_fn=keys_fn, readable=model.readable), donate_argnums=(0,))
-    return prefill, upper, decode, jit(functools.partial(_prompt_logprobs, model=model)), pick
+    top = jit(lambda logp: model.readable(sampling.top_logprobs(logp)))
+    return prefill, upper, decode, jit(functools.partial(_prompt_logprobs, model=model)), pick, top
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ class Scheduler:
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self.state = self._init_state()
         options = platform.step_compiler_options(excess_precision=config.excess_precision)
-        self._prefill, self._prefill_upper, self._decode, self._plp, self._pick = _compiled_steps(
+        self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top = _compiled_steps(
             cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime, tuple(sorted(options.items())))
 
     def _init_state(self) -> dict:
@@ -302,10 +303,10 @@ class Scheduler:
 
     def compile_count(self) -> int:
         """Programs compiled so far for this scheduler's step functions (shared with any other scheduler
-        on the same model and statics): the model's steps and the sampler's pick program (two forms: with
-        and without sampled rows). Fixed once each form has run; the sampler's filter programs
+        on the same model and statics): the model's steps, the sampler's pick program (two forms: with
+        and without sampled rows) and its top-20 program (run when a row reports top-n logprobs). Fixed once each form has run; the sampler's filter programs
         (``sampling.filter_steps``) are shared by every scheduler and not counted here."""
-        programs = (self._prefill, self._prefill_upper, self._decode, self._plp, self._pick)
+        programs = (self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top)
         return sum(f._cache_size() for f in programs if f is not None)
 
     # ------------------------------------------------------------------------------------------------
@@ -396,7 +397,7 @@ class Scheduler:
                     self.skipped_upper += 1
             plp = self._plp(self.params, res["hidden"], next_tok, self.consts["valid_v"]) if want_plp else None
             # a step in which no row finishes its prompt samples nothing: the sampler's programs are skipped
-            out = self._sample(res["pre"], inp) if inp["take_sample"].any() else {}
+            out = self._sample(res["pre"], inp, self._reports_top(rows)) if inp["take_sample"].any() else {}
         return _Launched(out, rows, plp)
 
     def _launch_decode(self, slots: list[Request | None]) -> _Launched:
@@ -411,23 +412,36 @@ class Scheduler:
             self._set_sampling(inp, b, req, p + 1)
             rows.append(_Row(b, req, True))
             req.launched += 1
-        return _Launched(self.decode_step(inp), rows)
+        return _Launched(self.decode_step(inp, self._reports_top(rows)), rows)
 
-    def decode_step(self, inp: dict) -> dict:
+    def _reports_top(self, rows: list[_Row]) -> np.ndarray:
+        """bool[slots]: the rows whose sample this step is reported with top-n logprobs."""
+        top = np.zeros(self.ec.max_slots, bool)
+        for row in rows:
+            top[row.slot] = row.sampled and bool(row.request.params.logprobs)
+        return top
+
+    def decode_step(self, inp: dict, top_logprobs_b: np.ndarray | None = None) -> dict:
         """Launch one decode step on inputs from ``_common_inputs(1)`` (the model's program, then the
-        sampler's) -> the device results to read; the slots' state moves on. Benchmarks call it too."""
+        sampler's) -> the device results to read; the slots' state moves on. top_logprobs_b: the rows
+        that report top-n logprobs (None: none). Benchmarks call it too."""
+        if top_logprobs_b is None:
+            top_logprobs_b = np.zeros(self.ec.max_slots, bool)
         with jax.threefry_partitionable(True):
             self.state, res = self._decode(self.params, self.state, inp, self.consts)
-            return self._sample(res["pre"], inp)
+            return self._sample(res["pre"], inp, top_logprobs_b)
 
-    def _sample(self, pre: dict, inp: dict) -> dict:
+    def _sample(self, pre: dict, inp: dict, top_logprobs_b: np.ndarray) -> dict:
         """The sampler's programs after a model step (``sampling.filter_steps`` as the step's SamplerPlan
-        asks, then the pick program, which updates the sampler's part of the state) -> results to read."""
-        plan = self.sampler_plan or sampling.SamplerPlan.of(inp["sampling"], inp["take_sample"])
+        asks, then the pick program, which updates the sampler's part of the state, and the top-20 when a
+        row reports it) -> results to read."""
+        plan = self.sampler_plan or sampling.SamplerPlan.of(inp["sampling"], inp["take_sample"], top_logprobs_b)
         keep, q = sampling.filter_steps(pre["xs"], inp["sampling"], plan)
         sampler_state, out = self._pick({k: self.state[k] for k in SAMPLER_STATE}, pre, keep, q,
                                         {k: inp[k] for k in PICK_INPUTS}, self.consts)
         self.state = {**self.state, **sampler_state}
+        if plan.top_logprobs:
+            out = {**out, **self._top(pre["logp"])}
         return out
 
     # ------------------------------------------------------------------------------------------------
