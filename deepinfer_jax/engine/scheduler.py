@@ -289,6 +289,7 @@ class Scheduler:
         # skips a stage some row uses changes that row's results.
         self.sampler_plan: sampling.SamplerPlan | None = None
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
+        self._sampler_warm = False  # every sampler program compiled (``_warm_sampler``)
         self.state = self._init_state()
         options = platform.step_compiler_options(excess_precision=config.excess_precision)
         self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top = _compiled_steps(
@@ -431,10 +432,25 @@ class Scheduler:
             self.state, res = self._decode(self.params, self.state, inp, self.consts)
             return self._sample(res["pre"], inp, top_logprobs_b)
 
+    def _warm_sampler(self, pre: dict, inp: dict) -> None:
+        """Compile every sampler program on the first sampled step, on its real inputs (results dropped),
+        so that a later step whose rows first ask for top-k, top-p, top-n logprobs or only greedy tokens
+        compiles nothing. One extra run of each program, once."""
+        rows = inp["sampling"]
+        sampling.filter_steps(pre["xs"], rows, sampling.SamplerPlan(top_k=False))   # the alive-set form
+        keep, q = sampling.filter_steps(pre["xs"], rows, sampling.SamplerPlan())
+        small = {k: inp[k] for k in PICK_INPUTS}
+        for k, v in ((keep, q), (None, None)):   # both pick forms, on a copy of the state they donate
+            self._pick({k2: jnp.copy(self.state[k2]) for k2 in SAMPLER_STATE}, pre, k, v, small, self.consts)
+        self._top(pre["logp"])
+        self._sampler_warm = True
+
     def _sample(self, pre: dict, inp: dict, top_logprobs_b: np.ndarray) -> dict:
         """The sampler's programs after a model step (``sampling.filter_steps`` as the step's SamplerPlan
         asks, then the pick program, which updates the sampler's part of the state, and the top-20 when a
         row reports it) -> results to read."""
+        if not self._sampler_warm:
+            self._warm_sampler(pre, inp)
         plan = self.sampler_plan or sampling.SamplerPlan.of(inp["sampling"], inp["take_sample"], top_logprobs_b)
         keep, q = sampling.filter_steps(pre["xs"], inp["sampling"], plan)
         sampler_state, out = self._pick({k: self.state[k] for k in SAMPLER_STATE}, pre, keep, q,
