@@ -288,7 +288,8 @@ class Model:
 def scheduler(m: Model, numerics: Numerics, slots: int, max_len: int, chunk: int, bounded_replay: bool = True):
     return Scheduler(m.params, m.cfg, m.tok, m.token_map, numerics,
                      EngineConfig(max_slots=slots, max_len=max_len, chunk_size=min(chunk, max_len),
-                                  bounded_replay=bounded_replay))
+                                  bounded_replay=bounded_replay,
+                                  excess_precision=bool(RESULTS.get("excess_precision", False))))
 
 
 def decode_inputs(sch: Scheduler, context: int) -> dict:
@@ -730,6 +731,9 @@ def main(argv=None):
     ap.add_argument("--row-major-experts", action="store_true",
                     help="keep the expert weights in the checkpoint's layout instead of the kernel's tile-major "
                     "one (moe.prepare_experts_tile_major): an A/B (same bits)")
+    ap.add_argument("--excess-precision", action="store_true",
+                    help="compile the engine's programs with XLA's excess precision on (EngineConfig.excess_"
+                    "precision=True; the engine's default rounds as the program says): an A/B")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -755,6 +759,7 @@ def main(argv=None):
     log(f"jax {jax.__version__} on {RESULTS['device']}; slice of {args.layers} layers; "
         f"kernels {args.kernels or 'auto'}")
     RESULTS["kernels"] = args.kernels or "auto"
+    RESULTS["excess_precision"] = args.excess_precision   # read by scheduler()
     if "ceil" in want:
         section("ceilings", ceilings, out, args.tiny)
     t = time.time()
