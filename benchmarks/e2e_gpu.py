@@ -316,7 +316,8 @@ def fill_for_decode(sch: Scheduler, m: Model, numerics: Numerics, ctx: int) -> d
 def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10,
                sampler_plan: SamplerPlan | None = None):
     """sampler_plan: force the sampler's plan (``Scheduler.sampler_plan``; None: the engine's per-step
-    choice, which for these rows, top-p and no top-k, skips the top-k search)."""
+    choice, which for these rows, top-p, no top-k and no top-n logprobs, skips the top-k search and the
+    top-20)."""
     rows = []
     copy = RESULTS.get("copy_Bps")
     for b in batches:
@@ -431,9 +432,7 @@ def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, to
     try:
         inp = fill_for_decode(sch, m, numerics, ctx)
         # The engine's decode program donates its state; profiling calls it repeatedly on one state.
-        from deepinfer_jax.platform import step_compiler_options
-
-        step = jax.jit(sch._decode.__wrapped__, compiler_options=step_compiler_options() or None).lower(
+        step = jax.jit(sch._decode.__wrapped__, compiler_options=sch.compiler_options or None).lower(
             m.params, sch.state, inp, sch.consts).compile()
         sites = _hlo_sites(step.as_text())
         if jax.devices()[0].platform != "gpu":

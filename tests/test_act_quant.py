@@ -177,3 +177,18 @@ def test_quantizers_round_without_a_narrow_cast(fn):
     jaxpr = str(jax.make_jaxpr(getattr(numerics, fn))(jnp.ones((2, 64), jnp.float32)))
     assert "reduce_precision" in jaxpr
     assert not any(t in jaxpr for t in ("f8_e4m3fn", "f4_e2m1fn", "float8", "float4")), jaxpr
+
+
+def test_round_to_bf16_is_the_cast_pair():
+    """mHC's weight split rounds with ``round_to_bf16``: bitwise ml_dtypes' bf16 cast and back, from fp32
+    subnormals to the largest finite values, ties included."""
+    from deepinfer_jax.model.numerics import round_to_bf16
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(200_000) * np.exp2(rng.uniform(-149, 126, 200_000))).astype(np.float32)
+    # halfway between two bf16 values: the upper 16 bits of a finite float, then 0x8000
+    ties = (rng.integers(1, 0x7F80, 1000).astype(np.uint32) << 16 | np.uint32(0x8000)).view(np.float32)
+    x = np.concatenate([x, ties, -ties, [0.0, -0.0, 1e-45, -1e-45]]).astype(np.float32)
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.asarray(jax.jit(round_to_bf16)(jnp.asarray(x)))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

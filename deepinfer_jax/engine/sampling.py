@@ -16,9 +16,10 @@ A row's sample is a function of its own logits, its own parameters and its own k
 * the pick is Gumbel-max over the kept tokens; greedy (temperature 0) is the argmax (ties: lower id).
 
 Stages: ``prepare`` (inside the model's step), then separate programs: ``top_k_keep`` (or
-``alive_keep``), ``renormalise``, ``top_p_keep`` (``filter_steps``), ``pick`` and ``top_logprobs``. The host chooses per step which of them run
-(``SamplerPlan``: no search nobody in the step uses, no filter for an all-greedy step); the programs
-themselves never change with the plan, so neither can a row's bits.
+``alive_keep``), ``renormalise``, ``top_p_keep`` (``filter_steps``), ``pick`` and ``top_logprobs``. The
+host chooses per step which of them run (``SamplerPlan``: no search nobody in the step uses, no filter
+for an all-greedy step, no top-20 nobody reports); the programs themselves never change with the plan,
+so neither can a row's bits.
 
 Reported logprobs are the model's own distribution: ``log_softmax`` of the raw logits over the ids the
 tokenizer defines, before penalties, temperature and filtering (vLLM's default "raw" logprobs).
@@ -277,21 +278,21 @@ def top_logprobs(logp_bv: jax.Array) -> dict[str, jax.Array]:
     return {"top_logprobs": top_lp, "top_ids": top_ids.astype(jnp.int32)}
 
 
+def alive_keep(xs_bv: jax.Array) -> jax.Array:
+    """bool[B, V]: every alive token: what ``top_k_keep`` keeps for a row without top-k."""
+    return xs_bv > -jnp.inf
+
+
 def top_k_keep(xs_bv: jax.Array, top_k_b: jax.Array, bits: int = SEARCH_BITS) -> jax.Array:
     """bool[B, V]: the tokens top-k keeps: the k largest alive values, ties at the k-th to the lower ids
     (rows with top_k 0: every alive token). The k-th value is found by a search on the float bits."""
-    alive = xs_bv > -jnp.inf
+    alive = alive_keep(xs_bv)
     key = _order_key(xs_bv)
     k_eff = jnp.where(top_k_b > 0, top_k_b, xs_bv.shape[1])
     # dead tokens get key 0, which is above no threshold: integer counts of the alive keys above t
     t_k = _least_key_below(jnp.where(alive, key, jnp.uint32(0)), None, k_eff, bits)
     by_k = _first_n_of_ties(key, alive, t_k, jnp.ones_like(xs_bv), k_eff.astype(jnp.float32))
     return jnp.where((top_k_b > 0)[:, None], by_k, alive)
-
-
-def alive_keep(xs_bv: jax.Array) -> jax.Array:
-    """bool[B, V]: every alive token: what ``top_k_keep`` keeps for a row without top-k."""
-    return xs_bv > -jnp.inf
 
 
 def renormalise(xs_bv: jax.Array, keep_bv: jax.Array) -> jax.Array:
@@ -327,7 +328,7 @@ def sampled_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, rows: di
     min_p = rows["min_p"]
     keep = keep_bv & (q_bv >= min_p[:, None] * jnp.max(q_bv, axis=-1, keepdims=True))
     filtering = (rows["top_k"] > 0) | (rows["top_p"] < 1.0) | (min_p > 0.0)
-    return jnp.where(filtering[:, None], keep, True) & (xs_bv > -jnp.inf)
+    return jnp.where(filtering[:, None], keep, True) & alive_keep(xs_bv)
 
 
 def pick(xs_bv: jax.Array, keep_bv: jax.Array | None, q_bv: jax.Array | None, rows: dict[str, jax.Array],

@@ -291,9 +291,11 @@ class Scheduler:
         self.skipped_upper = 0  # prefill steps that skipped the layers above the last KV source
         self._sampler_warm = False  # every sampler program compiled (``_warm_sampler``)
         self.state = self._init_state()
-        options = platform.step_compiler_options(excess_precision=config.excess_precision)
+        # XLA options of every program below (``platform.step_compiler_options``)
+        self.compiler_options = platform.step_compiler_options(excess_precision=config.excess_precision)
         self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top = _compiled_steps(
-            cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime, tuple(sorted(options.items())))
+            cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime,
+            tuple(sorted(self.compiler_options.items())))
 
     def _init_state(self) -> dict:
         s, v = self.ec.max_slots, self.cfg.vocab_size
@@ -305,8 +307,9 @@ class Scheduler:
     def compile_count(self) -> int:
         """Programs compiled so far for this scheduler's step functions (shared with any other scheduler
         on the same model and statics): the model's steps, the sampler's pick program (two forms: with
-        and without sampled rows) and its top-20 program (run when a row reports top-n logprobs). Fixed once each form has run; the sampler's filter programs
-        (``sampling.filter_steps``) are shared by every scheduler and not counted here."""
+        and without sampled rows) and its top-20 program, all compiled by the first sampled step
+        (``_warm_sampler``). The sampler's filter programs (``sampling.filter_steps``) are shared by
+        every scheduler and not counted here."""
         programs = (self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top)
         return sum(f._cache_size() for f in programs if f is not None)
 

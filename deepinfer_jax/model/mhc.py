@@ -10,25 +10,19 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model.numerics import round_to_bf16
 from pallas_kernels.sinkhorn import SEGMENT_ROUNDS, sinkhorn_rounds, sinkhorn_rounds_xla
-
-
-def _round_bf16(x: jax.Array) -> jax.Array:
-    """float32 -> float32 on the bf16 grid (nearest, ties to even): a cast to bf16 and back, in the form
-    XLA:GPU keeps. Under its default excess precision it deletes that cast pair as a no-op, which made
-    ``w - hi`` zero, so mid and lo were zeros in the split made at load (deviceless H200 compile,
-    2026-12-05; found in review). bf16 has fp32's exponent bits, so this is bitwise the cast pair."""
-    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
 
 
 def split_bf16x3(w: jax.Array) -> jax.Array:
     """fp32 w [..., M, K] -> bf16 [..., 3 * M, K]: hi, mid and lo parts, each the bf16 rounding of what
     the previous parts leave, so hi + mid + lo == w exactly for normal-range values (3 x 8 significand
-    bits hold fp32's 24)."""
-    hi = _round_bf16(w)
+    bits hold fp32's 24). The roundings are ``round_to_bf16``, not bf16 casts and back: XLA:GPU deleted
+    those as no-ops, making ``w - hi`` zero and mid and lo zeros (deviceless H200 compile, 2026-12-05)."""
+    hi = round_to_bf16(w)
     r = w - hi
-    mid = _round_bf16(r)
-    lo = _round_bf16(r - mid)
+    mid = round_to_bf16(r)
+    lo = round_to_bf16(r - mid)
     return jnp.concatenate([hi, mid, lo], axis=-2).astype(jnp.bfloat16)   # exact: already on the grid
 
 
@@ -48,9 +42,10 @@ _split_jit = jax.jit(split_bf16x3)
 def prepare_stream_dots(params):
     """The params with each mHC stream-mix weight ``hc_*_fn`` [M, K] joined by its ``split_bf16x3`` parts
     under ``hc_*_fn`` + SPLIT_SUFFIX (bf16 [3 * M, K]), which ``stream_dot``'s bf16 form otherwise makes
-    from fn in every step: a [72, 20480] concatenate launch per mHC call in the B=64 decode step
-    (24 of them in the H200 slice's; ~2.6 us each in the H100 4-layer timeline of 2026-12-05). Same values, so the same bits; 1.5x each
-    fn's bytes more at rest (``planner``). fn stays for the fp32 form. For the GPU engine, at load."""
+    from fn in every step: a [72, 20480] concatenate launch per mHC call in the B=64 decode step (24 of
+    them in the H200 slice's; ~2.6 us each in the H100 4-layer timeline of 2026-12-05). Same values, so
+    the same bits; 1.5x each fn's bytes more at rest (``planner``). fn stays for the fp32 form. For the
+    GPU engine, at load."""
 
     def walk(node):
         if isinstance(node, dict):
@@ -68,7 +63,8 @@ def prepare_stream_dots(params):
     return walk(params)
 
 
-def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False, fn_parts: jax.Array | None = None) -> jax.Array:
+def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False,
+               fn_parts: jax.Array | None = None) -> jax.Array:
     """x [B, T, K] @ fn [M, K]^T in fp32 -> [B, T, M], fn fp32.
 
     bf16 (``Numerics.bf16_stream_dot``), with a bf16 stream: the dot runs on bf16 operands with fp32

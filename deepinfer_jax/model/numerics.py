@@ -159,6 +159,13 @@ def fp4_pow2_scale(amax: jax.Array) -> jax.Array:
     return _pow2_ceil(jnp.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
 
 
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """float32 -> float32 on the bf16 grid (nearest, ties to even): a cast to bf16 and back, in the form
+    XLA:GPU keeps (``round_to_e4m3`` says why). bf16 has fp32's exponent bits, so ``reduce_precision``
+    with 8 of them is bitwise the cast pair, subnormals included."""
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
 def round_to_e4m3(x: jax.Array) -> jax.Array:
     """float32 -> float32 on the FP8-E4M3FN grid, nearest with ties to even: what a cast to
     ``float8_e4m3fn`` and back gives for |x| <= 448 (callers clip first).
