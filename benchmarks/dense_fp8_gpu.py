@@ -44,7 +44,9 @@ from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles  # noqa: E40
 from pallas_kernels.grouped_gemm.plan import TilePlan  # noqa: E402
 from pallas_kernels.grouped_gemm.scales import kernel_scales  # noqa: E402
 
-# (name, groups G, N, K): V4.1-Flash's dense FP8 linears that read the most bytes at decode.
+# (name, groups G, N, K): V4.1-Flash's dense FP8 linears that read the most bytes at decode. The shared
+# expert's w1 and w3 (two [2304, 5120] linears on the same rows) are timed as one [4608, 5120] on both
+# sides.
 SHAPES = (("wq_b", 1, 32768, 1280), ("wo_a", 8, 1024, 4096), ("wo_b", 1, 5120, 8192),
           ("shared_w13", 1, 4608, 5120), ("shared_w2", 1, 5120, 2304))
 TINY_SHAPES = (("tiny_a", 1, 256, 512), ("tiny_grouped", 2, 128, 256))
@@ -99,8 +101,13 @@ def kernel_linear(x_mgk, w_split, s_split, *, splits: int, cfg: GroupedMatmulCon
 
 
 def xla_linear(x_mgk, w_bf16_gnk):
-    """The current path: the bf16-held weights in an einsum with float32 accumulation."""
-    return jnp.einsum("mgk,gnk->mgn", x_mgk, w_bf16_gnk, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    """The current path: the bf16-held weights in the model's einsum (a plain 2-D dot for one group, as
+    ``linear.dense``; attention's grouped ``wo_a`` einsum otherwise), float32 accumulation."""
+    if x_mgk.shape[1] == 1:
+        y = jnp.einsum("mk,nk->mn", x_mgk[:, 0], w_bf16_gnk[0], preferred_element_type=jnp.float32)[:, None]
+    else:
+        y = jnp.einsum("mgk,gnk->mgn", x_mgk, w_bf16_gnk, preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)
 
 
 def time_ms(fn, *args, reps: int) -> tuple[float, str]:
