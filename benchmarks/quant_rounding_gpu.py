@@ -13,10 +13,11 @@ other row 0 except ``*_div_by_scalar``. On the CPU every row but that one is 0.
 
 The scale is a power of two, as the model's act-quant scales are, so scaling and scaling back are exact
 however the backend divides. The first H100 run (2026-12-05) used 448 / max|x|: its e4m3 round-to-grid
-row then missed 232,209 of 327,680 values while the model's three quantizers missed none, and XLA does
-not divide by a scalar as numpy does (on the CPU, ``a / t`` for that t differed from numpy in 158,885
-values: the count of a multiply by the reciprocal). ``*_div_by_scalar`` records that division on this
-backend (informational: the model's quantizers divide by powers of two, or by per-block scales).
+row then missed 232,209 of 327,680 values while the model's three quantizers missed none. XLA:CPU
+divides by a broadcast scalar as a multiply by its reciprocal (``a / t`` for that t differed from numpy
+in 158,885 values, exactly those of the reciprocal multiply); what the GPU did there is not known, but
+that row did not isolate the rounding. ``*_div_by_scalar`` records such a division on this backend
+(informational: the model's quantizers divide by powers of two, or by per-block scales).
 Results: $OUT/quant_rounding_gpu.json.
 """
 
