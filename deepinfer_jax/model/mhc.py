@@ -130,9 +130,18 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
 
 
 def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:
-    """Collapse the streams: sum_c pre_c x_c (fp32 sum)."""
-    return jnp.einsum("bthd,bth->btd", x_bthd.astype(jnp.float32), pre_bth,
-                      precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+    """Collapse the streams: sum_c pre_c x_c (fp32, in stream order).
+
+    Written as hc multiply-adds, as ``post_apply`` is: the einsum was a reduce over the 4 streams, which
+    XLA:GPU emits as a kernel of its own in front of the RMSNorm that always follows (two launches per
+    call, 24 per step of the 12-layer slice; deviceless H200 compile). Elementwise, it fuses into the
+    norm's kernel (-8 launches in the 4-layer step). On the CPU the bf16 paths keep their bits; the fp32
+    path, where the einsum was a dot, moves by fp32 ulps."""
+    x = x_bthd.astype(jnp.float32)
+    acc = x[:, :, 0] * pre_bth[:, :, :1]
+    for c in range(1, x.shape[2]):
+        acc = acc + x[:, :, c] * pre_bth[:, :, c:c + 1]
+    return acc.astype(out_dtype)
 
 
 def post_apply(y_btd: jax.Array, x_bthd: jax.Array, post_bth: jax.Array, comb_bthk: jax.Array, out_dtype) -> jax.Array:
