@@ -151,7 +151,15 @@ def post_apply(y_btd: jax.Array, x_bthd: jax.Array, post_bth: jax.Array, comb_bt
     [hc, hc] per token (~0.2 ms a call at a 2048-token chunk on the H200) plus a separate add (1.2 ms in
     80 of the 32k prefill's 384 calls; 2026-12-04 trace), for what is one elementwise pass."""
     x = x_bthd.astype(jnp.float32)
-    mixed = x[:, :, :1] * comb_bthk[:, :, 0, :, None]
-    for j in range(1, x.shape[2]):
-        mixed = mixed + x[:, :, j:j + 1] * comb_bthk[:, :, j, :, None]
-    return (post_bth[..., None] * y_btd.astype(jnp.float32)[:, :, None, :] + mixed).astype(out_dtype)
+    y = y_btd.astype(jnp.float32)
+    hc = x.shape[2]
+    # One output stream at a time, each coefficient a scalar per token (comb[:, :, j, k]): XLA then reads
+    # comb's entries where the Sinkhorn kernel wrote them ([hc * hc, tokens]) and fuses the whole apply into
+    # one kernel; with comb[:, :, j, :] it kept a transpose kernel in front (deviceless H200 compile).
+    outs = []
+    for k in range(hc):
+        mixed = x[:, :, 0] * comb_bthk[:, :, 0, k, None]
+        for j in range(1, hc):
+            mixed = mixed + x[:, :, j] * comb_bthk[:, :, j, k, None]
+        outs.append(post_bth[:, :, k, None] * y + mixed)
+    return jnp.stack(outs, axis=2).astype(out_dtype)
