@@ -133,9 +133,9 @@ def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:
     """Collapse the streams: sum_c pre_c x_c (fp32, in stream order).
 
     Written as hc multiply-adds, as ``post_apply`` is: the einsum was a reduce over the 4 streams, which
-    XLA:GPU emits as a kernel of its own in front of the RMSNorm that always follows (two launches per
-    call, 24 per step of the 12-layer slice; deviceless H200 compile). Elementwise, it fuses into the
-    norm's kernel (-8 launches in the 4-layer step). On the CPU the bf16 paths keep their bits; the fp32
+    XLA:GPU emits as a kernel of its own in front of the RMSNorm that always follows (two a layer;
+    deviceless H200 compile). Elementwise, it fuses into the norm's kernel (-8 launches in the 4-layer
+    decode step). On the CPU the bf16 paths keep their bits; the fp32
     path, where the einsum was a dot, moves by fp32 ulps."""
     x = x_bthd.astype(jnp.float32)
     acc = x[:, :, 0] * pre_bth[:, :, :1]
