@@ -137,7 +137,7 @@ def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:
     deviceless H200 compile). Elementwise, it fuses into the norm's kernel (-8 launches in the 4-layer
     decode step). The einsum summed in another order: the fp32 sum moves by an ulp, now and then a bf16
     output by one step. On the tiny random model that flipped near-tied routing in 3 of 5 prompts of
-    17-33 tokens, and 5 of the example job's 100 requests drew other tokens (each version is
+    21-33 tokens, and 5 of the example job's 100 requests drew other tokens (each version is
     deterministic and batch-invariant; neither order is the reference's own)."""
     x = x_bthd.astype(jnp.float32)
     acc = x[:, :, 0] * pre_bth[:, :, :1]
