@@ -139,11 +139,16 @@ def pre_apply(x_bthd: jax.Array, pre_bth: jax.Array, out_dtype) -> jax.Array:
     output by one step. On the tiny random model that flipped near-tied routing in 3 of 5 prompts of
     21-33 tokens, and 5 of the example job's 100 requests drew other tokens (each version is
     deterministic and batch-invariant; neither order is the reference's own)."""
-    x = x_bthd.astype(jnp.float32)
-    acc = x[:, :, 0] * pre_bth[:, :, :1]
-    for c in range(1, x.shape[2]):
-        acc = acc + x[:, :, c] * pre_bth[:, :, c:c + 1]
-    return acc.astype(out_dtype)
+    return _weighted_streams(x_bthd.astype(jnp.float32), pre_bth).astype(out_dtype)
+
+
+def _weighted_streams(x_bthd: jax.Array, w_bth: jax.Array) -> jax.Array:
+    """sum_c w[:, :, c] x[:, :, c] -> [B, T, D], fp32 adds in stream order, each weight a scalar per token
+    (the form XLA fuses into the neighbouring kernel: ``pre_apply``, ``post_apply``)."""
+    acc = x_bthd[:, :, 0] * w_bth[:, :, 0, None]
+    for c in range(1, x_bthd.shape[2]):
+        acc = acc + x_bthd[:, :, c] * w_bth[:, :, c, None]
+    return acc
 
 
 def post_apply(y_btd: jax.Array, x_bthd: jax.Array, post_bth: jax.Array, comb_bthk: jax.Array, out_dtype) -> jax.Array:
@@ -158,10 +163,5 @@ def post_apply(y_btd: jax.Array, x_bthd: jax.Array, post_bth: jax.Array, comb_bt
     # One output stream at a time, each coefficient a scalar per token (comb[:, :, j, k]): XLA then reads
     # comb's entries where the Sinkhorn kernel wrote them ([hc * hc, tokens]) and fuses the whole apply into
     # one kernel; with comb[:, :, j, :] it kept a transpose kernel in front (deviceless H200 compile).
-    outs = []
-    for k in range(hc):
-        mixed = x[:, :, 0] * comb_bthk[:, :, 0, k, None]
-        for j in range(1, hc):
-            mixed = mixed + x[:, :, j] * comb_bthk[:, :, j, k, None]
-        outs.append(post_bth[:, :, k, None] * y + mixed)
+    outs = [post_bth[:, :, k, None] * y + _weighted_streams(x, comb_bthk[:, :, :, k]) for k in range(hc)]
     return jnp.stack(outs, axis=2).astype(out_dtype)
