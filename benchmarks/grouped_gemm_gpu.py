@@ -607,6 +607,20 @@ _SWEEP_ROUNDS = {
         (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS), _cfg(64, 256, 128, 4, **_PS, **_TM))),
         (WeightFormat.FP4, "prefill", 32768, (_cfg(128, 256, 64, 8, **_PS), _cfg(128, 256, 64, 8, **_PS, **_TM))),
     ),
+    # Round 10 (2026-12-06, session 21): round 9 on the H200 had 4 consumers best at 64 x 6 (0.560 against
+    # 0.594 ms, tile-major), now the table's choice. Its ring depth, and 4 consumers at the other
+    # tile-major phases the engine runs.
+    "10": (
+        (WeightFormat.FP4, "decode", 64, (_cfg(8, 256, 128, 8, **_PS, **_TM, consumers=4),
+                                        _cfg(8, 256, 128, 6, **_PS, **_TM, consumers=4),
+                                        _cfg(8, 256, 128, 10, **_PS, **_TM, consumers=4),
+                                        _cfg(8, 256, 128, 8, **_PS, **_TM))),
+        (WeightFormat.FP4, "decode", 512, (_cfg(16, 256, 128, 8, **_PS, **_TM),
+                                         _cfg(16, 256, 128, 8, **_PS, **_TM, consumers=4),
+                                         _cfg(8, 256, 128, 8, **_PS, **_TM, consumers=4))),
+        (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS, **_TM),
+                                         _cfg(64, 256, 128, 4, **_PS, **_TM, consumers=4))),
+    ),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
 

@@ -5,6 +5,7 @@ control that fails the same check."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -495,7 +496,6 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
     """Two CTAs walking 16 (tile, column block) items with one TMA ring (3 K steps through 2 stages, so
     the ring wraps inside and across items; empty tiles and ids -1 / G at the tail) give the grid
     kernel's bits, which match the reference."""
-    import dataclasses
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
@@ -536,7 +536,6 @@ def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
     """``consumers=4`` (64 weight rows per consumer warpgroup) computes every weight row as the
     2-consumer kernel does: the same bits, in both launches and both output forms (rows from registers
     for float32, y^T through shared memory for bf16)."""
-    import dataclasses
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
@@ -560,7 +559,6 @@ def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
 def test_row_output_gives_the_transposed_outputs_bits_in_gpu_interpreter(fmt, persistent):
     """The kernel writing y [P, N] from registers (the default) gives the bits of the y^T form stored
     through shared memory, for both output dtypes and launches, through the op and the tiled API."""
-    import dataclasses
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas, grouped_matmul_tiles, tile_rows
 
@@ -606,7 +604,6 @@ _OLD_KERNEL = dict(fp4_dequant="arith", overlap_wgmma=False)
 def test_kernel_new_dequant_is_bitwise_the_old_one_in_gpu_interpreter(fmt):
     """The default kernel ("bits" FP4 decode, block c+1 dequantized under block c's wgmma) gives the
     bits of the earlier kernel ("arith", wait after every block), and matches the reference."""
-    import dataclasses
 
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
@@ -687,6 +684,14 @@ def test_tuned_config_fits_the_v41_expert_shapes_and_depends_on_shapes_only():
         assert (cfg.block_m, cfg.block_n, cfg.persistent) == (64, 256, True)
     assert tuned_config(32768 * 6, 384, 2304, 5120, WeightFormat.FP4).block_m == 128
     assert tuned_config(2048 * 6, 384, 2304, 5120, WeightFormat.FP8).block_m == 128   # FP8: not swept
+    # FP4 decode and chunk tiles take 4 consumer warpgroups (sweep rounds 9-10 on the H200), on the
+    # tile-major layout the engine holds too; FP4 long prefill and FP8 keep the base's 2
+    tm = dataclasses.replace(GroupedMatmulConfig(), weights_tile_major=True, block_n=256, block_k=128)
+    for tokens, base in ((64, None), (64, tm), (512, None), (512, tm), (2048, tm)):
+        cfg = tuned_config(tokens * 6, 384, 2304, 5120, WeightFormat.FP4, base=base or GroupedMatmulConfig())
+        assert cfg.consumers == 4, (tokens, base)
+    assert tuned_config(32768 * 6, 384, 2304, 5120, WeightFormat.FP4).consumers == 2
+    assert tuned_config(64 * 6, 384, 2304, 5120, WeightFormat.FP8).consumers == 2
     # nothing fits a 64-wide N: the base config comes back (and the kernel route reports why)
     base = GroupedMatmulConfig(xla_block_m=5)
     assert tuned_config(6, 8, 64, 128, WeightFormat.FP4, base=base) is base
@@ -765,7 +770,6 @@ def test_tile_major_weights_give_the_row_major_bits_in_gpu_interpreter(fmt):
     """``weights_tile_major``: the kernel reading each K step's weight tile as one contiguous run of
     ``tile_major_weights`` computes what it computes from the stored layout, bit for bit, in both
     launches; a w of the wrong layout for the config is refused with its shape named."""
-    import dataclasses
 
     from pallas_kernels.grouped_gemm.config import tile_major_weights
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
