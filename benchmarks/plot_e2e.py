@@ -42,8 +42,9 @@ def main(argv=None) -> Path:
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     # a decode section that failed at its largest batch keeps the batches before it under "(partial)"
-    decode = list({(r["batch"], r["context"]): r for r in rows(res, "kernels-decode (partial)")
-                   + rows(res, "decode")}.values())
+    # run by run, so a later run's rows replace an earlier run's whichever of the two sections holds them
+    decode = list({(r["batch"], r["context"]): r for run in runs(res)
+                   for r in rows(run, "kernels-decode (partial)") + rows(run, "decode")}.values())
     for ctx in sorted({r["context"] for r in decode}):
         # a row's share of its own run's copy ceiling where it has one (the ceilings vary by run)
         pts = sorted((r["batch"], r["tokens_per_s"], r.get("hbm_fraction") or (

@@ -15,9 +15,11 @@ The scale is a power of two, as the model's act-quant scales are, so scaling and
 however the backend divides. The first H100 run (2026-12-05) used 448 / max|x|: its e4m3 round-to-grid
 row then missed 232,209 of 327,680 values while the model's three quantizers missed none. XLA:CPU
 divides by a broadcast scalar as a multiply by its reciprocal (``a / t`` for that t differed from numpy
-in 158,885 values, exactly those of the reciprocal multiply); what the GPU did there is not known, but
-that row did not isolate the rounding. ``*_div_by_scalar`` records such a division on this backend
-(informational: the model's quantizers divide by powers of two, or by per-block scales).
+in 158,885 values, exactly those of the reciprocal multiply), and that row did not isolate the rounding.
+``*_div_by_scalar`` records such a division on this backend (informational: the model's quantizers
+divide by powers of two, or by per-block scales). The H200 (2026-12-06, results/quant_rounding_gpu_h200_
+2026-12-06_s21.json): every row as expected; e4m3's division row 232,224, so XLA:GPU does not divide by a
+broadcast scalar with correct rounding either, and the first H100 run's 232,209 came from the division.
 Results: $OUT/quant_rounding_gpu.json.
 """
 
