@@ -34,6 +34,13 @@ def rows(results: dict, section: str) -> list[dict]:
     return out
 
 
+def latest_decode_rows(results: dict) -> list[dict]:
+    """One decode row per (batch, context): the last run's, whichever of its two decode sections holds it
+    (a decode section that failed at its largest batch keeps the batches before it under "(partial)")."""
+    return list({(r["batch"], r["context"]): r for run in runs(results)
+                 for r in rows(run, "kernels-decode (partial)") + rows(run, "decode")}.values())
+
+
 def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "e2e_gpu_2026-12-05_merged.json"
@@ -41,10 +48,7 @@ def main(argv=None) -> Path:
     res = json.loads(src.read_text())
     copy = next((r["copy_Bps"] for r in runs(res) if "copy_Bps" in r), None)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    # a decode section that failed at its largest batch keeps the batches before it under "(partial)"
-    # run by run, so a later run's rows replace an earlier run's whichever of the two sections holds them
-    decode = list({(r["batch"], r["context"]): r for run in runs(res)
-                   for r in rows(run, "kernels-decode (partial)") + rows(run, "decode")}.values())
+    decode = latest_decode_rows(res)
     for ctx in sorted({r["context"] for r in decode}):
         # a row's share of its own run's copy ceiling where it has one (the ceilings vary by run)
         pts = sorted((r["batch"], r["tokens_per_s"], r.get("hbm_fraction") or (

@@ -18,3 +18,22 @@ def test_there_are_benchmark_scripts():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_benchmark_script_compiles(script, tmp_path):
     py_compile.compile(str(script), cfile=str(tmp_path / "out.pyc"), doraise=True)
+
+
+def test_plot_takes_each_decode_cell_from_the_last_run_that_has_it():
+    """The README plot's merge rule: a later run's row replaces an earlier run's of the same batch and
+    context, whether it sits in that run's "decode" section or in its "(partial)" one (session 21's
+    B=256 row sat under "(partial)" and lost to an older "decode" row before the rule was per run)."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    from plot_e2e import latest_decode_rows
+
+    def row(batch, ms):
+        return {"batch": batch, "context": 4096, "ms_per_step": ms}
+
+    merged = {"note": "", "run_a": {"sections": {"decode": [row(64, 30.0), row(256, 80.0)]}},
+              "run_b": {"sections": {"kernels-decode (partial)": [row(256, 44.0)]}},
+              "run_c": {"sections": {"decode": [row(64, 23.4)], "kernels-decode (partial)": [row(16, 11.5)]}}}
+    got = {r["batch"]: r["ms_per_step"] for r in latest_decode_rows(merged)}
+    assert got == {64: 23.4, 256: 44.0, 16: 11.5}
