@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -252,6 +253,17 @@ def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> Groupe
     return cfg
 
 
+class _Tile(NamedTuple):
+    """A tuned-table candidate: the tile shape, the ring depth and, where the sweep chose one, the
+    consumer warpgroup count (None: the base config's)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    consumers: int | None = None
+
+
 # Tile configs by phase, best first, from `benchmarks/grouped_gemm_gpu.py --sweep` on the H200
 # (2026-12-03, float32 out, hidden 5120 x width 2304, 384 experts; rounds 1 and 2 in benchmarks/results/
 # grouped_gemm_sweep*_2026-12-03.json). Every config gave bitwise the same rows, so this choice is
@@ -276,9 +288,10 @@ def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> Groupe
 _PERSISTENT = {(WeightFormat.FP4, "decode"), (WeightFormat.FP4, "chunk"), (WeightFormat.FP4, "prefill"),
                (WeightFormat.FP8, "decode")}
 _DECODE_CANDIDATES = {
-    WeightFormat.FP4: ((16, 256, 128, 8, 4), (16, 256, 128, 8), (16, 128, 128, 8)),
-    WeightFormat.FP8: ((16, 256, 128, 5), (16, 128, 256, 5)),
-    WeightFormat.BF16: ((32, 128, 128, 4), (64, 128, 128, 4)),   # not swept: the earlier 81 %-of-copy tiles
+    WeightFormat.FP4: (_Tile(16, 256, 128, 8, 4), _Tile(16, 256, 128, 8), _Tile(16, 128, 128, 8)),
+    WeightFormat.FP8: (_Tile(16, 256, 128, 5), _Tile(16, 128, 256, 5)),
+    # bf16: not swept, the earlier 81 %-of-copy tiles
+    WeightFormat.BF16: (_Tile(32, 128, 128, 4), _Tile(64, 128, 128, 4)),
 }
 # FP8 and bf16 prefill were not swept: their first candidates are the tiles of the earlier measured
 # table (pallas_kernels/README.md: 369 / 368 TFLOP/s at 32k x 6).
@@ -286,16 +299,17 @@ _DECODE_CANDIDATES = {
 # the output stored from registers the y^T tile's 128 KB is free, and 32k x 6 took 7.66 ms against 8.10
 # at 3 stages (606 TF/s). The chunk tiles lost with deeper rings there (6 stages: 1.56 vs 1.25 ms at 2048).
 _PREFILL_CANDIDATES = {
-    WeightFormat.FP4: ((128, 256, 64, 8), (128, 128, 64, 6), (64, 256, 128, 4), (64, 128, 128, 4)),
-    WeightFormat.FP8: ((128, 128, 128, 4), (64, 128, 128, 4)),
-    WeightFormat.BF16: ((128, 128, 64, 4), (64, 128, 128, 4)),
+    WeightFormat.FP4: (_Tile(128, 256, 64, 8), _Tile(128, 128, 64, 6), _Tile(64, 256, 128, 4),
+                       _Tile(64, 128, 128, 4)),
+    WeightFormat.FP8: (_Tile(128, 128, 128, 4), _Tile(64, 128, 128, 4)),
+    WeightFormat.BF16: (_Tile(128, 128, 64, 4), _Tile(64, 128, 128, 4)),
 }
-# Four consumers (the fifth field) in the first FP4 entries of _DECODE_CANDIDATES (16-row tiles, 512 x 6)
+# Four consumers in the first FP4 entries of _DECODE_CANDIDATES (16-row tiles, 512 x 6)
 # and _CHUNK_CANDIDATES (2048 x 6) since sweep round 10 on the H200
 # (2026-12-06, results/grouped_gemm_sweep10_h200_2026-12-06_s21.json, tile-major weights): 0.936 against
 # 1.000 ms, and 1.204 against 1.228 ms; the same bits.
 _CHUNK_CANDIDATES = {
-    WeightFormat.FP4: ((64, 256, 128, 4, 4), (64, 256, 128, 4), (64, 128, 128, 6)),
+    WeightFormat.FP4: (_Tile(64, 256, 128, 4, 4), _Tile(64, 256, 128, 4), _Tile(64, 128, 128, 6)),
 }
 # FP4 decode below this mean rows per expert (B <= ~100 tokens x 6 over 384 experts) takes 8-row tiles:
 # in the slice's B=64 decode step (1 row per expert) 26.86 ms/step against 28.76 with 16-row tiles
@@ -304,9 +318,9 @@ _CHUNK_CANDIDATES = {
 # weights for each tile, so the switch sits low. Same bits at any tile.
 # Four consumer warpgroups there since 2026-12-06 (sweep round 9 on an H200, results/grouped_gemm_sweep9_
 # h200_2026-12-06_s21.json): 64 x 6 kernel 0.560 ms against 0.594 with two (tile-major weights; 0.576
-# vs 0.598 on an H100 in round 9), the same bits. A fifth field in a candidate is its consumer count.
+# vs 0.598 on an H100 in round 9), the same bits.
 FEW_ROWS_PER_GROUP = 2
-_FEW_ROWS_CANDIDATES = {WeightFormat.FP4: ((8, 256, 128, 8, 4),)}
+_FEW_ROWS_CANDIDATES = {WeightFormat.FP4: (_Tile(8, 256, 128, 8, 4),)}
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
 # FP4 (the formats with chunk candidates): decode tiles below 12 mean rows per expert (measured best at
 # 1 and 8); 64-row tiles at 64 (4096 x 6: 1.707 ms against 1.893 for 128-row tiles, sweep round 6);
@@ -330,18 +344,18 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
 
     A pure function of static shapes: a jitted step of fixed shape always runs one config. With
     ``base.weights_tile_major`` only the candidates that read base's weight layout (its block_n, a
-    block_k dividing base's) count. Falls back to ``base`` when no candidate fits (N or K not a multiple of its tiles, e.g. tiny test models).
-    Fields other than the tile shape, the launch and the consumer count where a candidate names one (dequant
-    mode, XLA tile) are taken from ``base``."""
+    block_k dividing base's) count. Falls back to ``base`` when no candidate fits (N or K not a multiple
+    of its tiles, e.g. tiny test models). Fields other than the tile shape, the launch and the consumer
+    count where a candidate names one (dequant mode, XLA tile) are taken from ``base``."""
     phase = tile_phase(m_rows, num_groups, fmt)
     cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
     if phase == "decode" and m_rows < FEW_ROWS_PER_GROUP * num_groups:
         cands = _FEW_ROWS_CANDIDATES.get(fmt, ()) + cands
     if base.weights_tile_major:     # the weights' layout fixes block_n and the K tile a step can read
-        cands = tuple(c for c in cands if c[1] == base.block_n and base.block_k % c[2] == 0)
-    for bm, bn, bk, st, *consumers in cands:
-        cfg = fit_stages(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, stages=st,
-                                             consumers=consumers[0] if consumers else base.consumers,
+        cands = tuple(c for c in cands if c.block_n == base.block_n and base.block_k % c.block_k == 0)
+    for c in cands:
+        cfg = fit_stages(dataclasses.replace(base, block_m=c.block_m, block_n=c.block_n, block_k=c.block_k,
+                                             stages=c.stages, consumers=c.consumers or base.consumers,
                                              persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)
         if kernel_unsupported_reason(n, k, fmt, cfg, out_dtype) is None:
             return cfg
