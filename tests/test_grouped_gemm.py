@@ -496,7 +496,6 @@ def test_persistent_kernel_gives_the_one_cta_per_tile_bits_in_gpu_interpreter(fm
     """Two CTAs walking 16 (tile, column block) items with one TMA ring (3 K steps through 2 stages, so
     the ring wraps inside and across items; empty tiles and ids -1 / G at the tail) give the grid
     kernel's bits, which match the reference."""
-
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
     g, n, k, m = 3, 256, 192, 29
@@ -536,7 +535,6 @@ def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
     """``consumers=4`` (64 weight rows per consumer warpgroup) computes every weight row as the
     2-consumer kernel does: the same bits, in both launches and both output forms (rows from registers
     for float32, y^T through shared memory for bf16)."""
-
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
     g, n, k, m = 3, 256, 128, 21
@@ -559,7 +557,6 @@ def test_four_consumers_give_the_two_consumer_bits_in_gpu_interpreter(fmt):
 def test_row_output_gives_the_transposed_outputs_bits_in_gpu_interpreter(fmt, persistent):
     """The kernel writing y [P, N] from registers (the default) gives the bits of the y^T form stored
     through shared memory, for both output dtypes and launches, through the op and the tiled API."""
-
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas, grouped_matmul_tiles, tile_rows
 
     g, n, k, m = 3, 256, 128, 21
@@ -604,7 +601,6 @@ _OLD_KERNEL = dict(fp4_dequant="arith", overlap_wgmma=False)
 def test_kernel_new_dequant_is_bitwise_the_old_one_in_gpu_interpreter(fmt):
     """The default kernel ("bits" FP4 decode, block c+1 dequantized under block c's wgmma) gives the
     bits of the earlier kernel ("arith", wait after every block), and matches the reference."""
-
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
     rng = np.random.default_rng(9)
@@ -770,7 +766,6 @@ def test_tile_major_weights_give_the_row_major_bits_in_gpu_interpreter(fmt):
     """``weights_tile_major``: the kernel reading each K step's weight tile as one contiguous run of
     ``tile_major_weights`` computes what it computes from the stored layout, bit for bit, in both
     launches; a w of the wrong layout for the config is refused with its shape named."""
-
     from pallas_kernels.grouped_gemm.config import tile_major_weights
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
