@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-config", type=Path, default=TARGET_CONFIG)
     ap.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
     ap.add_argument("--hlo-dir", type=Path, default=None, help="write each compiled program's HLO text here")
+    ap.add_argument("--expert-operands", default="bf16", choices=("bf16", "e4m3", "e4m3-decode"),
+                    help="Numerics.expert_operands (the FP4 experts' kernel operands)")
     args = ap.parse_args(argv)
 
     sharding = compile_only_sharding(args.target_config)
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     params = abstract_params(cfg)
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot, the cheaper FP4 decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
-                                   fp4_scale_max=127)
+                                   fp4_scale_max=127, expert_operands=args.expert_operands)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)

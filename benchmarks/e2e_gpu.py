@@ -693,8 +693,8 @@ def with_decode_block_m(block_m: int) -> None:
 
     tile_config = moe._tile_config
 
-    def patched(p_lin, m_rows, numerics):
-        cfg = tile_config(p_lin, m_rows, numerics)
+    def patched(p_lin, m_rows, numerics, act_block=32):
+        cfg = tile_config(p_lin, m_rows, numerics, act_block)
         fmt = moe._expert_format(p_lin)
         if tile_phase(m_rows, moe._weight_shape(p_lin)[0], fmt) == "decode":
             cfg = dataclasses.replace(cfg, block_m=block_m)
@@ -733,6 +733,9 @@ def main(argv=None):
     ap.add_argument("--excess-precision", action="store_true",
                     help="compile the engine's programs with XLA's excess precision on (EngineConfig.excess_"
                     "precision=True; the engine's default rounds as the program says): an A/B")
+    ap.add_argument("--expert-operands", default=None, choices=("bf16", "e4m3", "e4m3-decode"),
+                    help="Numerics.expert_operands: the FP4 experts' kernel operands (default: the Numerics "
+                    "default); e4m3-decode = E4M3 in decode programs only (NOTES item -21)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -768,6 +771,9 @@ def main(argv=None):
     if args.kernels:
         numerics = dataclasses.replace(numerics, kernels=args.kernels)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
+    if args.expert_operands:
+        numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
+    RESULTS["expert_operands"] = numerics.expert_operands
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
         with_y_transposed()

@@ -271,6 +271,59 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
     assert np.all(np.abs(np.asarray(y_int, np.float32) - np.asarray(y_ref, np.float32)) <= y_tol)
 
 
+def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
+    """``Numerics.expert_operands``: "e4m3" runs the FP4 experts' kernel on E4M3 operands (interpreter)
+    within float32 rounding of the bf16 form (same products: the activations are FP8 values); the shared
+    tile plan takes E4M3 rows too; "e4m3-decode" resolves per program; the act-quant block must be whole
+    32-column blocks; fake_quant off is refused."""
+    import dataclasses
+
+    from deepinfer_jax.model.moe import _tile_config
+
+    rng = np.random.default_rng(5)
+    p = _moe_layer(rng, 128, 128, 8)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    nq8 = Numerics("bfloat16", True, False)
+    e4 = dataclasses.replace(nq8, expert_operands="e4m3")
+    ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
+    run = lambda nq, tiled: jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(  # noqa: E731
+        p["experts"], xm, ids, w, 10.0, nq, 32, "interpret", tiled=tiled))(x))
+    want = np.asarray(run(nq8, True))
+    got, got_per_gemm = np.asarray(run(e4, True)), np.asarray(run(e4, False))
+    # Exact products summed in float32 in another grouping: float32 ulps of the partial sums in the
+    # GEMMs, which may flip the bf16 rounding of a hidden activation (as _routed_tol bounds for w1/w3
+    # sums) -- the difference stays below 2^-7 of the largest output.
+    assert np.abs(got - want).max() <= 2.0 ** -7 * np.abs(want).max()
+    assert np.array_equal(got, got_per_gemm)             # one tile plan or a plan per GEMM: same bits
+    assert float(np.abs(want).max()) > 0.1
+
+    split = dataclasses.replace(nq8, expert_operands="e4m3-decode")
+    assert split.for_program("decode").expert_operands == "e4m3"
+    assert split.for_program("prefill").expert_operands == "bf16"
+    assert nq8.for_program("decode") is nq8
+    p_lin = p["experts"]["w1"]
+    assert _tile_config(p_lin, 6, split.for_program("decode")).fp4_operands == "e4m3"
+    assert _tile_config(p_lin, 6, split.for_program("decode"), act_block=16).fp4_operands == "bf16"
+    assert _tile_config(p_lin, 6, split).fp4_operands == "bf16"        # unresolved: the bf16 form
+    with pytest.raises(ValueError, match="fake_quant"):
+        Numerics("bfloat16", False, False, expert_operands="e4m3")
+    with pytest.raises(ValueError, match="expert_operands"):
+        Numerics(expert_operands="fp8")
+    with pytest.raises(ValueError, match="program kind"):
+        nq8.for_program("mtp")
+    # the engine compiles its decode program with the decode resolution, its prefill programs with the other
+    from deepinfer_jax.engine.scheduler import _compiled_steps
+
+    class _Model:
+        split_at_replay = True
+        readable = staticmethod(lambda a: a)
+
+    prefill, upper, decode, *_ = _compiled_steps(None, split, _Model(), None, 0, 0)
+    assert decode.__wrapped__.keywords["numerics"].expert_operands == "e4m3"
+    assert prefill.__wrapped__.keywords["numerics"].expert_operands == "bf16"
+    assert upper.__wrapped__.keywords["numerics"].expert_operands == "bf16"
+
+
 @pytest.mark.timeout(300, method="thread")
 def test_tile_major_expert_weights_change_no_bits(tiny_cfg):
     """prepare_experts_tile_major (the engine's default on Hopper) holds each FP4 expert linear as the

@@ -248,7 +248,8 @@ def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime, compiler_o
     shared by every scheduler with the same statics, so a second engine on the same model (another test,
     another LLM) compiles nothing. With a split model, "prefill" is the lower part (``_prefill_lower``).
     compiler_options: XLA options as (name, value) pairs (``platform.step_compiler_options``)."""
-    statics = dict(cfg=cfg, numerics=numerics, model=model, pad_id=pad_id, max_prime=max_prime)
+    statics = dict(cfg=cfg, numerics=numerics.for_program("prefill"), model=model, pad_id=pad_id,
+                   max_prime=max_prime)
     jit = functools.partial(jax.jit, compiler_options=dict(compiler_options) or None)
     upper = None
     if model.split_at_replay:
@@ -256,7 +257,8 @@ def _compiled_steps(cfg, numerics, model, keys_fn, pad_id, max_prime, compiler_o
         upper = jit(functools.partial(_prefill_upper, **statics), donate_argnums=(1,))
     else:
         prefill = jit(functools.partial(_prefill_step, **statics), donate_argnums=(1,))
-    decode = jit(functools.partial(_decode_step, **statics), donate_argnums=(1,))
+    decode = jit(functools.partial(_decode_step, **{**statics, "numerics": numerics.for_program("decode")}),
+                 donate_argnums=(1,))
     pick = jit(functools.partial(_pick_into_state, keys_fn=keys_fn, readable=model.readable), donate_argnums=(0,))
     top = jit(lambda logp: model.readable(sampling.top_logprobs(logp)))
     return prefill, upper, decode, jit(functools.partial(_prompt_logprobs, model=model)), pick, top

@@ -247,9 +247,17 @@ def _expert_format(p_lin: dict):
     return weight_format(p_lin["weight"], p_lin.get("scale"))
 
 
-def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics):
+def _fp4_operands(numerics: Numerics, act_block: int) -> str:
+    """The kernel's ``fp4_operands`` for these numerics: "e4m3" only when ``numerics.expert_operands``
+    says so (resolved for this program) and the activation quantizer's blocks are whole 32-column
+    blocks, so that the E4M3 form re-expresses each activation exactly (``fp8_operands.e4m3_rows``)."""
+    return "e4m3" if numerics.expert_operands == "e4m3" and act_block % 32 == 0 else "bf16"
+
+
+def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics, act_block: int = 32):
     """The kernel config for these weights at M rows (``tuned_config``: static in the shapes), with the
-    "subnormal" FP4 decoder when ``numerics.fp4_scale_max`` says every scale allows it."""
+    "subnormal" FP4 decoder when ``numerics.fp4_scale_max`` says every scale allows it, and the
+    operand form ``_fp4_operands`` picks."""
     import dataclasses
 
     from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, tile_major_tile, tuned_config
@@ -259,14 +267,16 @@ def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics):
     fmt = _expert_format(p_lin)
     k = kw * (2 if fmt.value == "fp4" else 1)
     fits = numerics.fp4_scale_max is not None and numerics.fp4_scale_max <= SUBNORMAL_MAX_SCALE_BYTE
-    base = GroupedMatmulConfig(fp4_dequant="subnormal") if fits else GroupedMatmulConfig()
+    base = GroupedMatmulConfig(fp4_dequant="subnormal" if fits else "packed",
+                               fp4_operands=_fp4_operands(numerics, act_block))
     if "weight_tm" in p_lin:      # the held layout fixes the tile's width and the K run a step may read
         bn, bk = tile_major_tile(p_lin["weight_tm"])
         base = dataclasses.replace(base, block_n=bn, block_k=bk, weights_tile_major=True)
     return tuned_config(m_rows, g, n, k, fmt, jnp.float32, base=base)
 
 
-def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[str | None, str | None]:
+def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int,
+                         act_block: int = 32) -> tuple[str | None, str | None]:
     """(why the grouped_matmul op cannot take these inputs at all, why the Pallas kernel cannot run them)."""
     from pallas_kernels.grouped_gemm.config import kernel_unsupported_reason
 
@@ -281,7 +291,7 @@ def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int) -> tuple[
     for name in ("w1", "w3", "w2"):
         shape = _weight_shape(p_exp[name])
         k = shape[2] * (2 if fmts[name].value == "fp4" else 1)
-        cfg = _tile_config(p_exp[name], m_rows, numerics)
+        cfg = _tile_config(p_exp[name], m_rows, numerics, act_block)
         if (why := kernel_unsupported_reason(shape[1], k, fmts[name], cfg, jnp.float32)):
             return None, f"expert weights {name} {shape}: {why}"
     return None, None
@@ -310,13 +320,14 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     if interpret:
         # The interpreter's wgmma reads shared memory only: stage the dequantized tile there; small
         # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
-        tiny = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False)
+        tiny = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False,
+                                   fp4_operands=_fp4_operands(numerics, act_block))
         # (tile-major weights fix block_n; the 64-wide K steps read half of each layout tile)
         cfgs = {name: dataclasses.replace(tiny, block_n=tile_major_tile(p_exp[name]["weight_tm"])[0],
                                           weights_tile_major=True)
                 if "weight_tm" in p_exp[name] else tiny for name in ("w1", "w3", "w2")}
     else:
-        cfgs = {name: _tile_config(p_exp[name], m * k, numerics) for name in ("w1", "w3", "w2")}
+        cfgs = {name: _tile_config(p_exp[name], m * k, numerics, act_block) for name in ("w1", "w3", "w2")}
     xq = act_quant(x_md, numerics, act_block)
     x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
     if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
@@ -366,8 +377,9 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
     gather feed w1 and w3, the swiglu runs on their tile-order result rows, w2 reads those rows, and
     only its result is gathered back. Every row meets the same kernel, tiles and elementwise ops as on
     the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
-    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, retile, tile_rows, untile_rows
-    from pallas_kernels.grouped_gemm.plan import gather_rows
+    from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
+    from pallas_kernels.grouped_gemm.kernel import (gather_kernel_rows, grouped_matmul_tiles, retile, tile_rows,
+                                                    untile_rows)
 
     m, k = w_mk.shape
     num_groups = _weight_shape(p_exp["w1"])[0]
@@ -377,7 +389,13 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
                                     scales_prepared=prepared)
 
-    plan, x_pk = tile_rows(x_rows, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"])
+    fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
+    e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
+    if e4m3["w1"] != e4m3["w3"]:      # (the same weight format and shape always give the same form)
+        raise ValueError("w1 and w3 need the same kernel row form; their configs differ: "
+                         f"{cfgs['w1']} / {cfgs['w3']}")
+    plan, x_pk = tile_rows(x_rows, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"],
+                           e4m3=e4m3["w1"])
     g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]
     if g_pn.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
         # Mostly padding (decode: 6,144 padded rows for 384 routed; a 2048-token chunk: 3x): the swiglu
@@ -386,12 +404,12 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
         # row (so from 1.5x padding). Row-local work on the same rows, so the same bits.
         hid_mi = swiglu(untile_rows(g_pn, plan), untile_rows(u_pn, plan), limit) * w_mk.reshape(m * k, 1)
         hid_mi = act_quant(hid_mi.astype(numerics.dtype), numerics, act_block)
-        x2_pk = gather_rows(retile(hid_mi, fp4=fp4["w2"]), plan)
+        x2_pk = gather_kernel_rows(retile(hid_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
         w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
         hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
         hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
-        x2_pk = retile(hid_pn, fp4=fp4["w2"])
+        x2_pk = retile(hid_pn, fp4=fp4["w2"], e4m3=e4m3["w2"])
     y_pn = _interpreted(lambda: run(x2_pk, "w2"), interpret)
     return untile_rows(y_pn, plan, jnp.float32).reshape(m, k, -1)
 
@@ -408,7 +426,7 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
                    numerics: Numerics, act_block: int) -> jax.Array:
     """The routed experts on the implementation ``numerics.kernels`` picks (numerics.py): the gather
     path, or the grouped GEMM (Pallas kernel on Hopper, its tiled XLA fallback elsewhere)."""
-    op_why, kernel_why = _grouped_unsupported(p_exp, numerics, ids_mk.size)
+    op_why, kernel_why = _grouped_unsupported(p_exp, numerics, ids_mk.size, act_block)
     if op_why is not None:
         if numerics.kernel_mode("experts") in ("pallas", "interpret"):
             from pallas_kernels.registry import KernelUnavailableError

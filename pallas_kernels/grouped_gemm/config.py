@@ -14,6 +14,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
 _BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
 FP4_DEQUANT_MODES = ("bits", "arith", "packed", "subnormal")
+FP4_OPERAND_FORMS = ("bf16", "e4m3")
 
 
 class WeightFormat(enum.Enum):
@@ -72,6 +73,13 @@ class GroupedMatmulConfig:
         alike either way, so the same bits (on the H100 and the H200 too). Its first form asked for 112,
         more than the launch holds, and hung on the GPU. With tile-major weights 4 were 2-6 % faster at
         the FP4 decode and chunk tiles on both GPUs (sweep rounds 9-10), where the tuned table uses them.
+    fp4_operands: FP4 weights only: "bf16" decodes them to bf16 for bf16 wgmmas with bf16 x (every
+        other field keeps the bits); "e4m3" moves each nibble's bits into an E4M3 byte and runs FP8
+        wgmmas on x as E4M3 values with per-32 power-of-two scales, one wgmma per scale block summed
+        into float32 with both scales (``fp8_operands.py``): fewer instructions per weight, other
+        bits than "bf16" (the partial sums round elsewhere), and x rounded to FP8 unless it already is
+        such values (the model's activation quantizer makes them). fp4_dequant and overlap_wgmma do
+        not apply to it.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     weights_tile_major: the kernel reads w as ``tile_major_weights(w, block_n, block_k)``: [G, N/block_n,
         K/block_k, block_n, block_k bytes] (a K step may read a part of a tile's rows: its block_k bytes must
@@ -98,6 +106,7 @@ class GroupedMatmulConfig:
     consumers: int = 2
     xla_block_m: int = 8
     weights_tile_major: bool = False
+    fp4_operands: str = "bf16"
 
     def __post_init__(self):
         if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -114,6 +123,8 @@ class GroupedMatmulConfig:
             raise ValueError(f"stages={self.stages} must be >= 2 to overlap copies with compute")
         if self.fp4_dequant not in FP4_DEQUANT_MODES:
             raise ValueError(f"fp4_dequant={self.fp4_dequant!r} must be one of {FP4_DEQUANT_MODES}")
+        if self.fp4_operands not in FP4_OPERAND_FORMS:
+            raise ValueError(f"fp4_operands={self.fp4_operands!r} must be one of {FP4_OPERAND_FORMS}")
         if self.xla_block_m < 1:
             raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
 
@@ -171,15 +182,23 @@ def writes_rows(cfg: GroupedMatmulConfig, out_dtype) -> bool:
     return cfg.out_rows and jnp.dtype(out_dtype).itemsize == 4
 
 
+def uses_e4m3_rows(cfg: GroupedMatmulConfig, fmt: WeightFormat) -> bool:
+    """Whether the kernel takes x as ``fp8_operands.E4m3Rows`` (FP4 weights with ``fp4_operands="e4m3"``)."""
+    return fmt is WeightFormat.FP4 and cfg.fp4_operands == "e4m3"
+
+
 def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:
     """Shared memory the kernel allocates for this config (pipeline slots + epilogue tiles)."""
-    x_tile = cfg.block_m * cfg.block_k * 2
+    e4m3 = uses_e4m3_rows(cfg, fmt)
+    x_tile = cfg.block_m * cfg.block_k * (1 if e4m3 else 2)
+    if e4m3:
+        x_tile += cfg.block_m * (cfg.block_k // SCALE_BLOCK) * 4      # x's float32 scales
     w_tile = cfg.block_n * cfg.block_k * fmt.weight_bits // 8
     s_tile = 0 if fmt is WeightFormat.BF16 else (cfg.block_k // SCALE_BLOCK) * cfg.block_n
     out_tile = 0 if writes_rows(cfg, out_dtype) else cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
     a_stage = 0
     if fmt is not WeightFormat.BF16 and not cfg.a_from_registers:
-        a_stage = cfg.block_n * SCALE_BLOCK * 2 * (2 if cfg.overlap_wgmma else 1)
+        a_stage = cfg.block_n * SCALE_BLOCK * 2 * (2 if cfg.overlap_wgmma else 1)   # (>= the E4M3 form's)
     return cfg.stages * (x_tile + w_tile + s_tile) + out_tile + a_stage + _BARRIER_SLACK
 
 

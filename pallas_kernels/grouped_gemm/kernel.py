@@ -18,6 +18,11 @@ takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them.
   registers (value x 2^(b-127), exact in bf16) and fed to wgmma as a register A operand. How FP4 is
   decoded (``cfg.fp4_dequant``) and whether block c+1's dequantization overlaps block c's wgmma
   (``cfg.overlap_wgmma``) change the speed, never the bf16 values.
+* FP4 with ``cfg.fp4_operands="e4m3"`` instead: the nibbles become E4M3 bytes by bit moves (the value
+  x 2^-6) and x arrives as E4M3 values with float32 power-of-two scales per 32 columns (a fourth TMA
+  copy per step); each 32-column block is one FP8 wgmma into a zeroed accumulator, added to a float32
+  sum in registers times weight scale x 2^6 x x scale (``fp8_operands.py``). Other bits than the bf16
+  form, fewer instructions per weight.
 * the f32 accumulator [block_n/consumers, block_m] is the transposed output tile. By default
   (``cfg.out_rows``) each consumer stores it from registers straight into y [T*block_m, N], converted to
   the transposed WGMMA layout so that every store writes whole 32-byte runs of a y row, and the wrapper
@@ -43,9 +48,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_gemm import fp4_packed
+from pallas_kernels.grouped_gemm import fp4_packed, fp8_operands
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
-                                                kernel_unsupported_reason, row_major_shape, writes_rows)
+                                                kernel_unsupported_reason, row_major_shape, uses_e4m3_rows,
+                                                writes_rows)
+from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_rows, make_tile_plan, max_tiles,
                                               scatter_back)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
@@ -84,6 +91,13 @@ def _fp4_bytes_to_f16_bits(q):
     return lo, hi
 
 
+def _e8m0_row_to_f32_times_2_6(s_u8):
+    """E8M0 bytes -> 2^(b-127) * 2^6 as float32 (b=0 gives 0): the weight scale of the E4M3 operand form,
+    whose bit move made each value 2^-6 times its E2M1 value. Exact for b <= 248."""
+    b = s_u8.astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(b == 0, 0, (b - fp8_operands.E2M1_TO_E4M3_LOG2) << 23), jnp.float32)
+
+
 def _f16_bits_to_f32(h):
     return lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
@@ -115,8 +129,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
     steps_per_tile = (w_tile_bytes or bk_bytes) // bk_bytes
+    e4m3 = fmt is WeightFormat.FP4 and cfg.fp4_operands == "e4m3"     # FP8 wgmmas (fp8_operands.py)
+    n_blocks_k = bk // SCALE_BLOCK      # scale blocks per K step
     x_swizzle = 64 if quant else 128      # quantized: B is sliced per 32-column scale block
-    x_transforms = tiled(x_swizzle, 2)
+    # (E4M3 x: 32-byte rows per scale block; an 8-bit register A must be [64, swizzle] bytes)
+    x_dtype, x_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(x_swizzle, 2))
     w_dtype = {WeightFormat.BF16: jnp.bfloat16, WeightFormat.FP8: jnp.float8_e4m3fn,
                WeightFormat.FP4: jnp.uint8}[fmt]
     # Quantized weight rows are bk_bytes long: unswizzled, the 8 rows a WGMMA-layout load reads at once
@@ -126,10 +143,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     w_transforms = tiled(128, 2) if not quant else (tiled(bk_bytes, 1) if swizzle_w else ())
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_rows = writes_rows(cfg, out_dtype)
-    copies_per_step = 3 if quant else 2
+    copies_per_step = 4 if e4m3 else 3 if quant else 2
     overlap = quant and cfg.overlap_wgmma
     a_bufs = 2 if overlap else 1
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     fp4_mode = cfg.fp4_dequant if fmt is WeightFormat.FP4 else None
     if fp4_mode in _PTX_MODES and _interpreting():
@@ -179,11 +197,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         items_per_cta = 1
 
     def body(tile_group_ref, x_ref, w_ref, *rest):
-        if quant:
-            s_ref, y_ref, scratch = rest[0], rest[1], rest[2:]
-        else:
-            s_ref, y_ref, scratch = None, rest[0], rest[1:]
-        (x_smem, w_smem, s_smem, a_smem, o_smem), (full, empty) = scratch
+        n_s = 2 if e4m3 else 1 if quant else 0      # weight scales, and x's scales [K/32, P] for E4M3 rows
+        s_ref = rest[0] if n_s else None
+        xs_ref = rest[1] if n_s == 2 else None
+        y_ref, scratch = rest[n_s], rest[n_s + 1:]
+        (x_smem, w_smem, s_smem, xs_smem, a_smem, o_smem), (full, empty) = scratch
 
         def item(k):
             """This CTA's k-th item -> (column block, tile, group, has work). Items without work (tiles of
@@ -231,8 +249,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                                           pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
                     plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], full.at[slot])
                     if quant:
-                        plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * (bk // SCALE_BLOCK), bk // SCALE_BLOCK),
-                                                         n_rows], s_smem.at[slot], full.at[slot])
+                        plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), n_rows],
+                                                s_smem.at[slot], full.at[slot])
+                    if e4m3:
+                        plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(i * n_blocks_k, n_blocks_k), m_rows],
+                                                xs_smem.at[slot], full.at[slot])
 
             for_each_item(load)
             # Observe each used slot's last release so no barrier is mid-phase when the CTA exits. Ring step
@@ -246,6 +267,51 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
             # the launch's registers shared out: the producer keeps 40 a thread, the consumers the rest
             plgpu.set_max_registers(consumer_registers(n_cons, 1, _PRODUCER_REGISTERS), action="increase")
             rows = pl.ds(half * wg_rows, wg_rows)
+
+            def compute_e4m3(k):
+                """Item k's accumulator [wg_rows, block_m] from FP8 wgmmas, one per scale block, each
+                scaled into a float32 sum (fp8_operands.py). No overlap of the bit moves with the wgmma:
+                the other consumer warpgroups fill the wait."""
+                def k_step(i, acc):
+                    step = k * n_steps + i
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    if swizzle_w:
+                        q_step = plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+                    for c in range(n_blocks_k):
+                        # (the scales are read before A is staged: in the interpreter's race model only
+                        # the staging's commit_smem orders earlier shared-memory reads before the
+                        # producer's next TMA write; on the GPU the empty barrier's arrive does)
+                        w_s = _e8m0_row_to_f32_times_2_6(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout,
+                                                                    optimized=False))
+                        x_s = plgpu.load(xs_smem.at[slot, c], layout=col_layout, optimized=False)
+                        q = (q_step[:, c * _HALF:(c + 1) * _HALF] if swizzle_w else
+                             plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
+                                        layout=plgpu.Layout.WGMMA_8BIT, optimized=False))
+                        if _interpreting():
+                            a = fp8_operands.fp4_bytes_to_e4m3_jnp(q)
+                        else:
+                            a = fp8_operands.fp4_bytes_to_e4m3(q)
+                        if not cfg.a_from_registers:
+                            buf = a_smem.at[half, 0]
+                            buf[...] = a
+                            plgpu.commit_smem()
+                            a = buf
+
+                        def block_scope(blk_ref):
+                            plgpu.wgmma(blk_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                            plgpu.wgmma_wait(0)
+                            return blk_ref[...]
+
+                        blk = pl.run_scoped(block_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+                        # both factors are powers of two: the product, and blk times it, are exact
+                        acc = acc + blk * (lax.broadcast_in_dim(w_s, (wg_rows, bm), [0])
+                                           * lax.broadcast_in_dim(x_s, (wg_rows, bm), [1]))
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc
+
+                acc0 = plgpu.layout_cast(jnp.zeros((wg_rows, bm), jnp.float32), plgpu.Layout.WGMMA)
+                return lax.fori_loop(0, n_steps, k_step, acc0)
 
             def compute(k, nt, t, grp):
                 def acc_scope(acc_ref):
@@ -285,7 +351,10 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                         plgpu.barrier_arrive(empty.at[lax.rem(k * n_steps + n_steps - 1, stages)])
                     return acc_ref[...]
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+                if e4m3:
+                    acc = compute_e4m3(k)
+                else:
+                    acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
                 if out_rows:
                     # Straight from registers into y [P, N]: in the transposed WGMMA layout each thread
                     # holds two adjacent weight rows (output columns) of one token row, so 8 lanes write
@@ -306,24 +375,27 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
         run_warpgroups(consumer, [producer], consumers=n_cons)
 
-    s_shape = (stages, bk // SCALE_BLOCK, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
+    s_shape = (stages, n_blocks_k, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
+    xs_shape = (stages, n_blocks_k, bm) if e4m3 else (1, 1, 8)      # x's scales (E4M3 rows only)
     a_staged = quant and not cfg.a_from_registers
     a_shape = (n_cons, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
+    a_dtype, a_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(64, 2))
     # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
     o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
     out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
     scratch = (
-        (plgpu.SMEM((stages, bm, bk), jnp.bfloat16, transforms=x_transforms),
+        (plgpu.SMEM((stages, bm, bk), x_dtype, transforms=x_transforms),
          plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
          plgpu.SMEM(s_shape, jnp.uint8),
-         plgpu.SMEM(a_shape, jnp.bfloat16, transforms=tiled(64, 2)),
+         plgpu.SMEM(xs_shape, jnp.float32),
+         plgpu.SMEM(a_shape, a_dtype, transforms=a_transforms),
          plgpu.SMEM(o_shape, out_dtype, transforms=out_transforms)),
         (plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages),
          plgpu.Barrier(num_arrivals=n_cons, num_barriers=stages)),
     )
 
     def entry(*refs):
-        n_in = 4 if quant else 3
+        n_in = 5 if e4m3 else 4 if quant else 3
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
 
@@ -376,7 +448,7 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
     traced = isinstance(x_mk, jax.core.Tracer)
     num_tiles = max_tiles(m, g, config.block_m) if traced else bucketed_tiles(m, g, config.block_m)
     plan, x_pk = _plan_and_gather(x_mk, group_ids_m, num_groups=g, block_m=config.block_m, num_tiles=num_tiles,
-                                  fp4=fmt is WeightFormat.FP4)
+                                  fp4=fmt is WeightFormat.FP4, e4m3=uses_e4m3_rows(config, fmt))
     y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
     if writes_rows(config, out_dtype):
         return _scatter_back(y, plan, out_dtype=out_dtype)
@@ -423,11 +495,13 @@ def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
 # only w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
 
 def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
-              fp4: bool) -> tuple[TilePlan, jax.Array]:
+              fp4: bool, e4m3: bool = False) -> tuple[TilePlan, jax.Array | E4m3Rows]:
     """-> (plan, x_pk [T*block_m, K]): rows sorted by group, padded to whole tiles (zeros), and for FP4
-    weights in the kernel's K order. T is the exact bound ``max_tiles`` (these calls run inside a jit)."""
+    weights in the kernel's K order; as ``E4m3Rows`` when ``e4m3`` (a config with ``uses_e4m3_rows``).
+    T is the exact bound ``max_tiles`` (these calls run inside a jit)."""
     t = max_tiles(x_mk.shape[0], num_groups, block_m)
-    return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4)
+    return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4,
+                            e4m3=e4m3)
 
 
 def _materialized(a: jax.Array) -> jax.Array:
@@ -437,26 +511,41 @@ def _materialized(a: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
 
-def retile(h_pk: jax.Array, *, fp4: bool) -> jax.Array:
+def retile(h_pk: jax.Array, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m3Rows:
     """Tile-order activations [T*block_m, K] (a previous ``grouped_matmul_tiles``' y, after elementwise
     work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4 (a permutation
-    inside each row's 32-column blocks)."""
-    return _in_kernel_k_order(h_pk.astype(jnp.bfloat16), fp4)
+    inside each row's 32-column blocks); as ``E4m3Rows`` when ``e4m3``."""
+    x_pk = _in_kernel_k_order(h_pk.astype(jnp.bfloat16), fp4)
+    return fp8_operands.e4m3_rows(x_pk) if e4m3 else x_pk
 
 
-def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *,
-                         out_dtype=jnp.float32, config: GroupedMatmulConfig = GroupedMatmulConfig(),
+def gather_kernel_rows(x_mk: jax.Array | E4m3Rows, plan: TilePlan) -> jax.Array | E4m3Rows:
+    """``plan.gather_rows`` for either form of kernel rows (``retile``'s)."""
+    if isinstance(x_mk, E4m3Rows):
+        return fp8_operands.gather(x_mk, plan.row_src)
+    return gather_rows(x_mk, plan)
+
+
+def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Array, w_scale: jax.Array | None = None,
+                         *, out_dtype=jnp.float32, config: GroupedMatmulConfig = GroupedMatmulConfig(),
                          scales_prepared: bool = False) -> jax.Array:
     """The kernel on ``tile_rows`` / ``retile`` rows -> y [T*block_m, N] in tile order (padding rows
     hold zeros' results, unused tiles are not written); ``untile_rows`` brings it back to row order.
-    config.block_m must be the plan's. With ``config.out_rows=False`` the kernel's y^T is transposed
-    here (for timing that kernel form only: the model runs the default), as for bf16 outputs."""
-    if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
-        raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
+    config.block_m must be the plan's; x_pk is ``E4m3Rows`` exactly when the config ``uses_e4m3_rows``.
+    With ``config.out_rows=False`` the kernel's y^T is transposed here (for timing that kernel form
+    only: the model runs the default), as for bf16 outputs."""
+    rows = x_pk.values if isinstance(x_pk, E4m3Rows) else x_pk
+    if rows.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
+        raise ValueError(f"x_pk has {rows.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
                          f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
     # (the group ids are the plan's: only their shape and dtype are checked)
-    fmt, _, _, s_kernel = _kernel_operands(x_pk, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale,
+    x_struct = jax.ShapeDtypeStruct(rows.shape, jnp.bfloat16)
+    fmt, _, _, s_kernel = _kernel_operands(x_struct, w, jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32), w_scale,
                                            scales_prepared, config, out_dtype, "grouped_matmul_tiles")
+    if isinstance(x_pk, E4m3Rows) != uses_e4m3_rows(config, fmt):
+        raise ValueError(f"x_pk is {'E4m3Rows' if isinstance(x_pk, E4m3Rows) else 'bf16 rows'} but the config "
+                         f"(fp4_operands={config.fp4_operands!r}, {fmt.value} weights) takes the other form: "
+                         "build the rows with tile_rows / retile(..., e4m3=uses_e4m3_rows(config, fmt))")
     y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
     return y if writes_rows(config, out_dtype) else y.T
 
@@ -469,11 +558,11 @@ def untile_rows(y_pn: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.A
 _scatter_back = jax.jit(scatter_back, static_argnames=("out_dtype",))
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4"))
-def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4):
+@functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4", "e4m3"))
+def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4, e4m3=False):
     plan = make_tile_plan(group_ids_m, num_groups, block_m, num_tiles)
-    # (permuted on the M token rows, not the T*block_m padded ones: up to ~20x more at decode)
-    return plan, gather_rows(_in_kernel_k_order(x_mk, fp4), plan)
+    # (permuted and quantized on the M token rows, not the T*block_m padded ones: up to ~20x more at decode)
+    return plan, gather_kernel_rows(retile(x_mk, fp4=fp4, e4m3=e4m3), plan)
 
 
 # The y^T form (``out_rows=False``): un-permute through materialized copies when the routed rows are at
@@ -501,10 +590,13 @@ def _unpermute(y_np, plan, *, out_dtype):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))
 def _run_kernel(tile_group, x_pk, w, s_kernel, *, fmt, config, out_dtype):
-    """The kernel alone: tile_group [T], x_pk [T*block_m, K] -> y [T*block_m, N] (y^T [N, T*block_m]
-    unless ``writes_rows(config, out_dtype)``)."""
+    """The kernel alone: tile_group [T], x_pk [T*block_m, K] (or ``E4m3Rows``) -> y [T*block_m, N]
+    (y^T [N, T*block_m] unless ``writes_rows(config, out_dtype)``)."""
     n = row_major_shape(w, config)[1]
+    x_scale = ()
+    if isinstance(x_pk, E4m3Rows):
+        x_pk, x_scale = x_pk.values, (x_pk.scale.T,)      # scales [K/32, P]: a K step's are one TMA box
     call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype,
                   w.shape[4] if config.weights_tile_major else None)
-    args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,))
+    args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,)) + x_scale
     return call(*args)
