@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-config", type=Path, default=TARGET_CONFIG)
     ap.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
     ap.add_argument("--hlo-dir", type=Path, default=None, help="write each compiled program's HLO text here")
-    ap.add_argument("--expert-operands", default="bf16", choices=("bf16", "e4m3", "e4m3-decode"),
+    ap.add_argument("--expert-operands", default="e4m3-decode", choices=("bf16", "e4m3", "e4m3-decode"),
                     help="Numerics.expert_operands (the FP4 experts' kernel operands)")
     args = ap.parse_args(argv)
 

@@ -283,7 +283,7 @@ def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     rng = np.random.default_rng(5)
     p = _moe_layer(rng, 128, 128, 8)
     x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
-    nq8 = Numerics("bfloat16", True, False)
+    nq8 = Numerics("bfloat16", True, False, expert_operands="bf16")
     e4 = dataclasses.replace(nq8, expert_operands="e4m3")
     ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
     run = lambda nq, tiled: jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(  # noqa: E731
@@ -301,6 +301,8 @@ def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     assert split.for_program("decode").expert_operands == "e4m3"
     assert split.for_program("prefill").expert_operands == "bf16"
     assert nq8.for_program("decode") is nq8
+    assert Numerics.reference().expert_operands == "e4m3-decode"                    # the default
+    assert Numerics.exact().for_program("decode").expert_operands == "bf16"        # no FP8 activations
     p_lin = p["experts"]["w1"]
     assert _tile_config(p_lin, 6, split.for_program("decode")).fp4_operands == "e4m3"
     assert _tile_config(p_lin, 6, split.for_program("decode"), act_block=16).fp4_operands == "bf16"

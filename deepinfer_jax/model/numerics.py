@@ -72,14 +72,17 @@ class Numerics:
     # with its cheaper "subnormal" decoder (exact for those scales only): measured 0.752 -> 0.615 ms for
     # one [2304 x 5120] expert matrix at decode 64 x 6 on the H200 (benchmarks/NOTES.md). Same bits.
     fp4_scale_max: int | None = None
-    # What the grouped GEMM kernel multiplies FP4 routed experts with (``GroupedMatmulConfig.fp4_operands``):
-    # "bf16" (weights decoded to bf16, bf16 activations), "e4m3" (bit-moved E4M3 weights and the
-    # activations' own FP8 values in FP8 wgmmas, fewer instructions a weight: NOTES item -21), or
-    # "e4m3-decode": E4M3 in the engine's decode programs, bf16 in its prefill programs
-    # (``for_program``). Same products, partial sums rounded elsewhere: so a token's bits depend on which
-    # program computed it, which the request alone decides (its prompt is prefilled, each new token
-    # decoded), never the batch. Needs fake_quant (the activations must be FP8 values).
-    expert_operands: str = "bf16"
+    # What the grouped GEMM kernel (Hopper only; no effect elsewhere) multiplies FP4 routed experts with
+    # (``GroupedMatmulConfig.fp4_operands``): "bf16" (weights decoded to bf16, bf16 activations),
+    # "e4m3" (bit-moved E4M3 weights and the activations' own FP8 values in FP8 wgmmas: fewer
+    # instructions a weight, NOTES item -21; needs fake_quant, which makes those FP8 values), or
+    # "e4m3-decode" (default): E4M3 in the engine's decode programs when fake_quant is on, bf16 in its
+    # prefill programs (``for_program``), where the E4M3 form lost (H100, 2026-12-06: 2048-token chunk
+    # 1.23 -> 1.51 ms, 32k prefill 7.8 -> 143 ms) while decode gained (64 x 6 0.573 -> 0.551 ms; the
+    # 4-layer B=64 step 9.41 -> 9.17 ms). The products are the same, the partial sums round elsewhere
+    # (3e-5 of the largest output apart): a token's bits depend on which program computed it, which the
+    # request alone decides (its prompt is prefilled, each new token decoded), never the batch.
+    expert_operands: str = "e4m3-decode"
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -109,18 +112,20 @@ class Numerics:
         self.kernel_mode("attention")  # validates the text
         if self.expert_operands not in EXPERT_OPERAND_MODES:
             raise ValueError(f"Numerics.expert_operands={self.expert_operands!r}; known: {EXPERT_OPERAND_MODES}")
-        if self.expert_operands != "bf16" and not self.fake_quant:
-            raise ValueError(f"Numerics(expert_operands={self.expert_operands!r}) needs fake_quant=True: the "
-                             "E4M3 form takes the activations' FP8 values, which only the quantizer makes")
+        if self.expert_operands == "e4m3" and not self.fake_quant:
+            raise ValueError("Numerics(expert_operands='e4m3') needs fake_quant=True: the E4M3 form takes the "
+                             "activations' FP8 values, which only the quantizer makes")
 
     def for_program(self, kind: str) -> "Numerics":
         """These numerics as a ``kind`` ("prefill" or "decode") program of the engine runs them:
-        ``expert_operands="e4m3-decode"`` becomes "e4m3" in decode programs and "bf16" in prefill ones."""
+        ``expert_operands="e4m3-decode"`` becomes "e4m3" in decode programs (with fake_quant on) and
+        "bf16" otherwise."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"program kind {kind!r} must be 'prefill' or 'decode'")
         if self.expert_operands != "e4m3-decode":
             return self
-        return dataclasses.replace(self, expert_operands="e4m3" if kind == "decode" else "bf16")
+        e4m3 = kind == "decode" and self.fake_quant
+        return dataclasses.replace(self, expert_operands="e4m3" if e4m3 else "bf16")
 
     def unroll_sinkhorn(self) -> bool:
         """``sinkhorn_unroll`` resolved: None means unrolled on a GPU backend only."""

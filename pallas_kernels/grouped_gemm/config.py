@@ -341,6 +341,14 @@ _CHUNK_CANDIDATES = {
 # vs 0.598 on an H100 in round 9), the same bits.
 FEW_ROWS_PER_GROUP = 2
 _FEW_ROWS_CANDIDATES = {WeightFormat.FP4: (_Tile(8, 256, 128, 8, 4),)}
+# The E4M3 operand form (``fp4_operands="e4m3"``) keeps a float32 sum and a scaled wgmma block in registers
+# beside each other: ptxas (deviceless, H200 target) spills at 64-row tiles (660 B with 4 consumers, 296
+# with 2) and not at 8-32 rows (64-95 registers). On an H100 (sweep round 11, 2026-12-06, results/
+# grouped_gemm_sweep11_h100_2026-12-06_s22.json) the spilling tiles lost: 2048 x 6 1.232 -> 1.513 ms at
+# 64 rows, 32k x 6 7.8 -> 143 ms at 128 rows, while decode gained (64 x 6 0.573 -> 0.551, 512 x 6 0.956
+# -> 0.897). So beyond the decode phase the form takes 32-row tiles (unmeasured; spill-free).
+_E4M3_WIDE_CANDIDATES = (_Tile(32, 256, 128, 6, 4),)
+E4M3_MAX_BLOCK_M = 32
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
 # FP4 (the formats with chunk candidates): decode tiles below 12 mean rows per expert (measured best at
 # 1 and 8); 64-row tiles at 64 (4096 x 6: 1.707 ms against 1.893 for 128-row tiles, sweep round 6);
@@ -366,11 +374,14 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
     ``base.weights_tile_major`` only the candidates that read base's weight layout (its block_n, a
     block_k dividing base's) count. Falls back to ``base`` when no candidate fits (N or K not a multiple
     of its tiles, e.g. tiny test models). Fields other than the tile shape, the launch and the consumer
-    count where a candidate names one (dequant mode, XLA tile) are taken from ``base``."""
+    count where a candidate names one (dequant mode, operand form, XLA tile) are taken from ``base``; the
+    E4M3 operand form keeps to tiles of at most ``E4M3_MAX_BLOCK_M`` rows beyond the decode phase."""
     phase = tile_phase(m_rows, num_groups, fmt)
     cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
     if phase == "decode" and m_rows < FEW_ROWS_PER_GROUP * num_groups:
         cands = _FEW_ROWS_CANDIDATES.get(fmt, ()) + cands
+    if uses_e4m3_rows(base, fmt) and phase != "decode":
+        cands = tuple(c for c in _E4M3_WIDE_CANDIDATES + cands if c.block_m <= E4M3_MAX_BLOCK_M)
     if base.weights_tile_major:     # the weights' layout fixes block_n and the K tile a step can read
         cands = tuple(c for c in cands if c.block_n == base.block_n and base.block_k % c.block_k == 0)
     for c in cands:
