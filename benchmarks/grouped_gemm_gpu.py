@@ -643,7 +643,9 @@ _SWEEP_ROUNDS = {
     # Round 12: round 11's decode cases, and the chunk case at the E4M3 form's spill-free 32-row tile
     # (the form lost at the 64- and 128-row tiles on the H100, 1.232 -> 1.513 ms and 7.8 -> 143 ms,
     # where ptxas spills), for a short call on the H200.
-    "12": tuple(c for c in _ROUND_11 if c[1] == "decode") + (
+    # "-ov": ``e4m3_overlap`` (block c's bit moves while block c-1's wgmma runs; same bits).
+    "12": tuple((f, p, t, cfgs + (dataclasses.replace(cfgs[1], e4m3_overlap=True),))
+                for f, p, t, cfgs in _ROUND_11 if p == "decode") + (
         (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS, **_TM, consumers=4),
                                          _cfg(32, 256, 128, 6, **_PS, **_TM, consumers=4, fp4_operands="e4m3"))),),
 }
@@ -679,7 +681,7 @@ def _():
             name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
             name += "-sub" * (cfg.fp4_dequant == "subnormal" and fmt is WeightFormat.FP4) + "-pers" * cfg.persistent
             name += "-nosw" * (not cfg.swizzle_weights) + "-yT" * (not cfg.out_rows) + "-c4" * (cfg.consumers == 4)
-            name += "-tm" * cfg.weights_tile_major + "-e4m3" * (cfg.fp4_operands == "e4m3")
+            name += "-tm" * cfg.weights_tile_major + "-e4m3" * (cfg.fp4_operands == "e4m3") + "-ov" * cfg.e4m3_overlap
             key = f"{fmt.value}/{phase}{tokens}/{name}"
             if left() < 10:
                 out[key] = "skipped (time)"

@@ -126,7 +126,7 @@ def test_e4m3_kernel_in_gpu_interpreter_matches_the_float64_oracle():
 
 def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch():
     """A row alone and among others (sharing its tile) gives the same bits; so do the persistent launch,
-    4 consumer warpgroups and tile-major weights."""
+    4 consumer warpgroups, tile-major weights and the overlapped form (two block accumulators)."""
     from pallas_kernels.grouped_gemm.config import tile_major_weights
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
@@ -135,7 +135,8 @@ def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch():
     w, s = _weights(rng, WeightFormat.FP4, g, n, k)
     x = _fp8_rows(rng, 11, k)
     gid = jnp.asarray([1, 1, 0, 1, 2, 1, 1, 1, 1, 1, 0], jnp.int32)
-    variants = (dict(persistent=True), dict(consumers=4, block_n=256), dict(weights_tile_major=True))
+    variants = (dict(persistent=True), dict(consumers=4, block_n=256), dict(weights_tile_major=True),
+                dict(e4m3_overlap=True), dict(e4m3_overlap=True, persistent=True))
     with gpu_interpreter():
         alone = grouped_matmul_pallas(x[6:7], w, gid[6:7], s, out_dtype=jnp.float32, config=_E4M3_CFG)
         among = grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_E4M3_CFG)
@@ -167,8 +168,10 @@ def test_tiles_api_takes_e4m3_rows_only_with_an_e4m3_config():
 
 
 @pytest.mark.parametrize("extra", [dict(block_m=8, block_n=256, block_k=128, stages=8, consumers=4, persistent=True),
+                                   dict(block_m=8, block_n=256, block_k=128, stages=8, consumers=4, persistent=True,
+                                        e4m3_overlap=True),
                                    dict(block_m=64, block_n=256, block_k=128, stages=4, consumers=2)],
-                         ids=["decode", "chunk"])
+                         ids=["decode", "decode-overlapped", "chunk"])
 def test_e4m3_kernel_lowers_for_hopper_with_a_in_registers(extra):
     """The GPU form (E4M3 A in registers, WGMMA_8BIT, inline PTX) passes Mosaic GPU's lowering for CUDA."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas

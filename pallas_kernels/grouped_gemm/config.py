@@ -80,6 +80,9 @@ class GroupedMatmulConfig:
         bits than "bf16" (the partial sums round elsewhere), and x rounded to FP8 unless it already is
         such values (the model's activation quantizer makes them). fp4_dequant and overlap_wgmma do
         not apply to it.
+    e4m3_overlap: the E4M3 form with a zeroed accumulator per scale block of a K step, so block c's
+        bit moves and scale loads run while block c-1's wgmma is in flight (else each block waits for
+        its own wgmma). Same arithmetic in the same order, so the same bits.
     xla_block_m: token rows per tile in the XLA fallback's tile loop (any positive int).
     weights_tile_major: the kernel reads w as ``tile_major_weights(w, block_n, block_k)``: [G, N/block_n,
         K/block_k, block_n, block_k bytes] (a K step may read a part of a tile's rows: its block_k bytes must
@@ -107,6 +110,7 @@ class GroupedMatmulConfig:
     xla_block_m: int = 8
     weights_tile_major: bool = False
     fp4_operands: str = "bf16"
+    e4m3_overlap: bool = False
 
     def __post_init__(self):
         if self.block_m % 8 or not 8 <= self.block_m <= 256:

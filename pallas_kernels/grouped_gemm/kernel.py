@@ -145,7 +145,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     out_rows = writes_rows(cfg, out_dtype)
     copies_per_step = 4 if e4m3 else 3 if quant else 2
     overlap = quant and cfg.overlap_wgmma
-    a_bufs = 2 if overlap else 1
+    a_bufs = 2 if overlap or (e4m3 and cfg.e4m3_overlap) else 1
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -270,48 +270,79 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
             def compute_e4m3(k):
                 """Item k's accumulator [wg_rows, block_m] from FP8 wgmmas, one per scale block, each
-                scaled into a float32 sum (fp8_operands.py). No overlap of the bit moves with the wgmma:
-                the other consumer warpgroups fill the wait."""
-                def k_step(i, acc):
-                    step = k * n_steps + i
-                    slot = lax.rem(step, stages)
+                scaled into a float32 sum (fp8_operands.py). With ``cfg.e4m3_overlap`` block c's bit moves
+                run while block c-1's wgmma is in flight (a zeroed accumulator per block of the step);
+                without, each block waits for its own wgmma and the other consumer warpgroups fill the
+                wait. Same arithmetic in the same order either way."""
+                def block_operands(slot, q_step, c):
+                    """(A [wg_rows, 32] E4M3, (weight scales x 2^6 [wg_rows], x scales [block_m])) of block c."""
+                    # (the scales are read before A is staged: in the interpreter's race model only the
+                    # staging's commit_smem orders earlier shared-memory reads before the producer's next
+                    # TMA write; on the GPU the empty barrier's arrive does)
+                    w_s = _e8m0_row_to_f32_times_2_6(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout,
+                                                                optimized=False))
+                    x_s = plgpu.load(xs_smem.at[slot, c], layout=col_layout, optimized=False)
+                    q = (q_step[:, c * _HALF:(c + 1) * _HALF] if q_step is not None else
+                         plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
+                                    layout=plgpu.Layout.WGMMA_8BIT, optimized=False))
+                    a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if _interpreting() else
+                         fp8_operands.fp4_bytes_to_e4m3(q))
+                    if not cfg.a_from_registers:
+                        buf = a_smem.at[half, c % a_bufs]
+                        buf[...] = a
+                        plgpu.commit_smem()
+                        a = buf
+                    return a, (w_s, x_s)
+
+                def promote(acc, blk, scales):
+                    w_s, x_s = scales      # powers of two: their product, and blk times it, are exact
+                    return acc + blk * (lax.broadcast_in_dim(w_s, (wg_rows, bm), [0])
+                                        * lax.broadcast_in_dim(x_s, (wg_rows, bm), [1]))
+
+                def x_block(slot, c):
+                    return x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T
+
+                def step_start(i):
+                    slot = lax.rem(k * n_steps + i, stages)
                     plgpu.barrier_wait(full.at[slot])
-                    if swizzle_w:
-                        q_step = plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+                    q_step = (plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
+                              if swizzle_w else None)
+                    return slot, q_step
+
+                def k_step(i, acc):
+                    slot, q_step = step_start(i)
                     for c in range(n_blocks_k):
-                        # (the scales are read before A is staged: in the interpreter's race model only
-                        # the staging's commit_smem orders earlier shared-memory reads before the
-                        # producer's next TMA write; on the GPU the empty barrier's arrive does)
-                        w_s = _e8m0_row_to_f32_times_2_6(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout,
-                                                                    optimized=False))
-                        x_s = plgpu.load(xs_smem.at[slot, c], layout=col_layout, optimized=False)
-                        q = (q_step[:, c * _HALF:(c + 1) * _HALF] if swizzle_w else
-                             plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
-                                        layout=plgpu.Layout.WGMMA_8BIT, optimized=False))
-                        if _interpreting():
-                            a = fp8_operands.fp4_bytes_to_e4m3_jnp(q)
-                        else:
-                            a = fp8_operands.fp4_bytes_to_e4m3(q)
-                        if not cfg.a_from_registers:
-                            buf = a_smem.at[half, 0]
-                            buf[...] = a
-                            plgpu.commit_smem()
-                            a = buf
+                        a, scales = block_operands(slot, q_step, c)
 
                         def block_scope(blk_ref):
-                            plgpu.wgmma(blk_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                            plgpu.wgmma(blk_ref, a, x_block(slot, c))
                             plgpu.wgmma_wait(0)
                             return blk_ref[...]
 
-                        blk = pl.run_scoped(block_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
-                        # both factors are powers of two: the product, and blk times it, are exact
-                        acc = acc + blk * (lax.broadcast_in_dim(w_s, (wg_rows, bm), [0])
-                                           * lax.broadcast_in_dim(x_s, (wg_rows, bm), [1]))
+                        acc = promote(acc, pl.run_scoped(block_scope, plgpu.ACC((wg_rows, bm), jnp.float32)), scales)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc
+
+                def k_step_overlapped(i, acc):
+                    slot, q_step = step_start(i)
+
+                    def blocks(*blk_refs):     # one zeroed accumulator per scale block of the step
+                        total, pending = acc, None
+                        for c in range(n_blocks_k):
+                            a, scales = block_operands(slot, q_step, c)
+                            plgpu.wgmma(blk_refs[c], a, x_block(slot, c))
+                            if pending is not None:   # block c-1 is done once at most one wgmma is in flight
+                                total = promote(total, plgpu.wgmma_accumulator_load(pending[0], wait_n=1),
+                                                pending[1])
+                            pending = (blk_refs[c], scales)
+                        return promote(total, plgpu.wgmma_accumulator_load(pending[0], wait_n=0), pending[1])
+
+                    acc = pl.run_scoped(blocks, *[plgpu.ACC((wg_rows, bm), jnp.float32)] * n_blocks_k)
                     plgpu.barrier_arrive(empty.at[slot])
                     return acc
 
                 acc0 = plgpu.layout_cast(jnp.zeros((wg_rows, bm), jnp.float32), plgpu.Layout.WGMMA)
-                return lax.fori_loop(0, n_steps, k_step, acc0)
+                return lax.fori_loop(0, n_steps, k_step_overlapped if cfg.e4m3_overlap else k_step, acc0)
 
             def compute(k, nt, t, grp):
                 def acc_scope(acc_ref):
