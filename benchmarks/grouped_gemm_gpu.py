@@ -165,6 +165,15 @@ def rows(key, m, k=K_HIDDEN):
     return jax.random.normal(key, (m, k), jnp.bfloat16)
 
 
+def fp8_per_32(x):
+    """x rounded to E4M3 values with a power-of-two scale per 32 columns (the form of the model's expert
+    inputs), as bf16. Eager on purpose: inside one jit XLA:GPU may drop the f8 -> f32 convert pair."""
+    from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows
+
+    q = e4m3_rows(x)
+    return (q.values.astype(jnp.float32) * jnp.repeat(q.scale, 32, axis=1)).astype(jnp.bfloat16)
+
+
 WEIGHTS: dict = {}
 
 
@@ -259,6 +268,13 @@ def _():
             zeros_ok = bool(jnp.all(y[:7] == 0))
             out[f"{fmt.value}/{name}"] = dict(rel_fro=rel, max_rel=worst, dropped_rows_zero=zeros_ok)
             TABLE.append(f"correct {fmt.value:4s} {name:11s} rel.fro {rel:.2e} max {worst:.2e} dropped->0 {zeros_ok}")
+        if fmt is WeightFormat.FP4:      # the E4M3 operand form (decode programs), on FP8 rows as the model's
+            x8 = fp8_per_32(x)
+            y = grouped_matmul_pallas(x8, w, gid, s, config=dataclasses.replace(decode_cfg(fmt), fp4_operands="e4m3"))
+            rel, worst = check_rows(fmt, y, x8, gid, sample)
+            zeros_ok = bool(jnp.all(y[:7] == 0))
+            out["fp4/decode_cfg_e4m3"] = dict(rel_fro=rel, max_rel=worst, dropped_rows_zero=zeros_ok)
+            TABLE.append(f"correct fp4  decode e4m3 rel.fro {rel:.2e} max {worst:.2e} dropped->0 {zeros_ok}")
     return out
 
 
@@ -375,6 +391,9 @@ def _():
                                   lambda x, g, w=w, s=s, cfg=sub: grouped_matmul_pallas(x, w, g, s, config=cfg), few)
             out["fp4 subnormal == packed"] = bool(np.array_equal(sub_alone, alone))
             TABLE.append(f"invariance fp4 subnormal == packed (probe row): {out['fp4 subnormal == packed']}")
+            e4 = dataclasses.replace(cfg, fp4_operands="e4m3")     # x rounded to FP8 row by row: still row-local
+            run_check("kernel fp4 decode_cfg e4m3",
+                      lambda x, g, w=w, s=s, cfg=e4: grouped_matmul_pallas(x, w, g, s, config=cfg), few)
         other = bits(grouped_matmul_pallas(probe_x[None], w, probe_g[None], s, config=prefill_cfg(fmt))[0])
         out[f"{fmt.value} decode_cfg vs prefill_cfg"] = bool(np.array_equal(alone, other))
         TABLE.append(f"invariance kernel {fmt.value} decode vs prefill config bitwise equal: {out[f'{fmt.value} decode_cfg vs prefill_cfg']}")
@@ -650,15 +669,6 @@ _SWEEP_ROUNDS = {
                                          _cfg(32, 256, 128, 6, **_PS, **_TM, consumers=4, fp4_operands="e4m3"))),),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
-
-
-def fp8_per_32(x):
-    """x rounded to E4M3 values with a power-of-two scale per 32 columns (the form of the model's expert
-    inputs), as bf16. Eager on purpose: inside one jit XLA:GPU may drop the f8 -> f32 convert pair."""
-    from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows
-
-    q = e4m3_rows(x)
-    return (q.values.astype(jnp.float32) * jnp.repeat(q.scale, 32, axis=1)).astype(jnp.bfloat16)
 
 
 @section("sweep", 30)
