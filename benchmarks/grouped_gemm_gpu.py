@@ -646,7 +646,9 @@ _SWEEP_ROUNDS = {
     # the table's bf16 form at the same tiles. Predicted: 64 x 6 0.556 -> ~0.45 ms. The e4m3 rows are
     # bitwise checked against the first e4m3 config, and their largest difference from the first (bf16)
     # config is recorded relative to its largest |y| (x is FP8 per 32 columns here, so both forms
-    # compute the same products; only the rounding of the partial sums differs).
+    # compute the same products; only the rounding of the partial sums differs). Measured on an H100
+    # (results/grouped_gemm_sweep11_h100_2026-12-06_s22.json): decode 0.573 -> 0.551 ms at 64 x 6, 0.956 ->
+    # 0.897 at 512 x 6; chunk and prefill lost (ptxas spills at 64- and 128-row tiles); 3.1e-5 apart.
     "11": (_ROUND_11 := tuple(
         (WeightFormat.FP4, phase, tokens, (_cfg(*tiles, **_PS, **_TM, consumers=4),
                                            _cfg(*tiles, **_PS, **_TM, consumers=4, fp4_operands="e4m3")) + extra)
