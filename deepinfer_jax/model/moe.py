@@ -333,8 +333,8 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
         fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
         if len({c.block_m for c in cfgs.values()}) == 1 and fmts["w1"] == fmts["w3"]:
-            return _routed_experts_tiled(p_exp, x_rows, gid, w_mk, limit, numerics, act_block, cfgs,
-                                         {n: f.value == "fp4" for n, f in fmts.items()}, interpret)
+            return _routed_experts_tiled(p_exp, x_rows, gid, w_mk, limit, numerics, act_block, cfgs, fmts,
+                                         interpret)
 
     def mm(x, name):
         w, s, prepared = _kernel_weights(p_exp[name])
@@ -367,7 +367,7 @@ ROUTED_SWIGLU_PADDING = 1.5   # padded rows / routed rows above which the swiglu
 
 
 def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
-                          numerics: Numerics, act_block: int, cfgs: dict, fp4: dict, interpret: bool) -> jax.Array:
+                          numerics: Numerics, act_block: int, cfgs: dict, fmts: dict, interpret: bool) -> jax.Array:
     """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
     x_rows [M*k, D] bf16: the quantized token rows, row m*k + r for token m's rank r.
 
@@ -389,11 +389,9 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
                                     scales_prepared=prepared)
 
-    fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
+    # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)
     e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
-    if e4m3["w1"] != e4m3["w3"]:      # (the same weight format and shape always give the same form)
-        raise ValueError("w1 and w3 need the same kernel row form; their configs differ: "
-                         f"{cfgs['w1']} / {cfgs['w3']}")
+    fp4 = {name: f.value == "fp4" for name, f in fmts.items()}
     plan, x_pk = tile_rows(x_rows, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"],
                            e4m3=e4m3["w1"])
     g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]

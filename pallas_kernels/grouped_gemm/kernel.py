@@ -129,7 +129,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
     steps_per_tile = (w_tile_bytes or bk_bytes) // bk_bytes
-    e4m3 = fmt is WeightFormat.FP4 and cfg.fp4_operands == "e4m3"     # FP8 wgmmas (fp8_operands.py)
+    e4m3 = uses_e4m3_rows(cfg, fmt)     # FP8 wgmmas (fp8_operands.py)
     n_blocks_k = bk // SCALE_BLOCK      # scale blocks per K step
     x_swizzle = 64 if quant else 128      # quantized: B is sliced per 32-column scale block
     # (E4M3 x: 32-byte rows per scale block; an 8-bit register A must be [64, swizzle] bytes)
@@ -155,18 +155,20 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     fp4_bits = fp4_mode == "bits"
 
     block_bytes = _HALF if fmt is WeightFormat.FP4 else SCALE_BLOCK    # weight bytes of one scale block
+    # the E4M3 form reads 4 bytes of a row per register, the layout of its 8-bit wgmma A operand
+    w_layout = plgpu.Layout.WGMMA_8BIT if e4m3 else plgpu.Layout.WGMMA
 
     def load_step_weights(w_smem, slot, rows):
-        """The step's [wg_rows, bk_bytes] weight bytes in the WGMMA layout, when the tile is swizzled (a
+        """The step's [wg_rows, bk_bytes] weight bytes in ``w_layout``, when the tile is swizzled (a
         swizzled tile is loaded whole; an unswizzled one per scale block, in ``block_weights``)."""
         if not swizzle_w:
             return None
-        return plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+        return plgpu.load(w_smem.at[slot, rows], layout=w_layout, optimized=False)
 
     def block_weights(w_smem, q_step, slot, rows, c):
         if q_step is not None:
             return q_step[:, c * block_bytes:(c + 1) * block_bytes]
-        return plgpu.load(w_smem.at[slot, rows, pl.ds(c * block_bytes, block_bytes)], layout=plgpu.Layout.WGMMA,
+        return plgpu.load(w_smem.at[slot, rows, pl.ds(c * block_bytes, block_bytes)], layout=w_layout,
                           optimized=False)
 
     def dequant_block(w_smem, q_step, s_smem, slot, rows, c):
@@ -282,9 +284,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     w_s = _e8m0_row_to_f32_times_2_6(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout,
                                                                 optimized=False))
                     x_s = plgpu.load(xs_smem.at[slot, c], layout=col_layout, optimized=False)
-                    q = (q_step[:, c * _HALF:(c + 1) * _HALF] if q_step is not None else
-                         plgpu.load(w_smem.at[slot, rows, pl.ds(c * _HALF, _HALF)],
-                                    layout=plgpu.Layout.WGMMA_8BIT, optimized=False))
+                    q = block_weights(w_smem, q_step, slot, rows, c)
                     a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if _interpreting() else
                          fp8_operands.fp4_bytes_to_e4m3(q))
                     if not cfg.a_from_registers:
@@ -305,9 +305,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 def step_start(i):
                     slot = lax.rem(k * n_steps + i, stages)
                     plgpu.barrier_wait(full.at[slot])
-                    q_step = (plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA_8BIT, optimized=False)
-                              if swizzle_w else None)
-                    return slot, q_step
+                    return slot, load_step_weights(w_smem, slot, rows)
 
                 def k_step(i, acc):
                     slot, q_step = step_start(i)
