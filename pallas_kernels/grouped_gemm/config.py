@@ -346,8 +346,8 @@ _CHUNK_CANDIDATES = {
 FEW_ROWS_PER_GROUP = 2
 _FEW_ROWS_CANDIDATES = {WeightFormat.FP4: (_Tile(8, 256, 128, 8, 4),)}
 # The E4M3 operand form (``fp4_operands="e4m3"``) keeps a float32 sum and a scaled wgmma block in registers
-# beside each other: ptxas (deviceless, H200 target) spills at 64-row tiles (660 B with 4 consumers, 296
-# with 2) and not at 8-32 rows (64-95 registers). On an H100 (sweep round 11, 2026-12-06, results/
+# beside each other: ptxas (deviceless, H200 target; benchmarks/grouped_gemm_compile.py) spills at 64-row
+# tiles (660 B with 4 consumers, 296 with 2) and not at 8-32 rows (64-95 registers). On an H100 (sweep round 11, 2026-12-06, results/
 # grouped_gemm_sweep11_h100_2026-12-06_s22.json) the spilling tiles lost: 2048 x 6 1.232 -> 1.513 ms at
 # 64 rows, 32k x 6 7.8 -> 143 ms at 128 rows, while decode gained (64 x 6 0.573 -> 0.551, 512 x 6 0.956
 # -> 0.897). So beyond the decode phase the form takes 32-row tiles (unmeasured; spill-free).
