@@ -36,6 +36,8 @@ Sections:
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
+* bf16experts: the decode row at --profile-batch and the first context with the FP4 experts' kernel
+  operands in bf16 (``Numerics.expert_operands="bf16"``): the A/B of the E4M3 form on one machine.
 * unroll: the decode step at --profile-batch and the first context with the mHC Sinkhorn rounds in
   XLA as a while loop (``kernels`` "sinkhorn=xla", ``sinkhorn_unroll=False``: one host round trip per
   iteration), to compare with the decode section's row for the same shape (on Hopper the rounds run in
@@ -809,6 +811,9 @@ def main(argv=None):
     if "searchbits" in want:   # A/B of the search's bits per pass: the decode rows' own plan at 4 bits
         section("search-bits4-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
                 "search-bits-4", 10, SamplerPlan(sampled=True, top_k=False, top_p=True, search_bits=4))
+    if "bf16experts" in want:   # A/B of Numerics.expert_operands on the same machine as the decode row
+        section("bf16-experts-decode", run_decode, out, m, dataclasses.replace(numerics, expert_operands="bf16"),
+                [args.profile_batch], contexts[:1], max_len, "bf16-experts")
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),

@@ -188,7 +188,8 @@ def test_e4m3_kernel_lowers_for_hopper_with_a_in_registers(extra):
 
 def test_tuned_config_keeps_the_e4m3_form_off_the_spilling_tiles():
     """Beyond the decode phase the E4M3 form takes tiles of <= 32 rows (64- and 128-row tiles spill in
-    ptxas and lost on the H100); decode tiles are the bf16 form's; other formats ignore the field."""
+    ptxas and lost on the H100); decode tiles are the bf16 form's, with the blocks overlapped (faster on
+    the H200, same bits) only there; other formats ignore the field."""
     from pallas_kernels.grouped_gemm.config import E4M3_MAX_BLOCK_M, tile_phase, tuned_config
 
     g, n, k = 384, 2304, 5120
@@ -196,9 +197,12 @@ def test_tuned_config_keeps_the_e4m3_form_off_the_spilling_tiles():
         bf16 = tuned_config(m, g, n, k, WeightFormat.FP4, jnp.float32)
         e4m3 = tuned_config(m, g, n, k, WeightFormat.FP4, jnp.float32, base=GroupedMatmulConfig(fp4_operands="e4m3"))
         assert e4m3.fp4_operands == "e4m3" and e4m3.block_m <= E4M3_MAX_BLOCK_M, m
+        assert not bf16.e4m3_overlap, m
         if tile_phase(m, g, WeightFormat.FP4) == "decode":
-            assert dataclasses.replace(e4m3, fp4_operands="bf16") == bf16, m
+            assert e4m3.e4m3_overlap, m
+            assert dataclasses.replace(e4m3, fp4_operands="bf16", e4m3_overlap=False) == bf16, m
         else:
+            assert not e4m3.e4m3_overlap, m                   # spills at the 32-row tile: unmeasured
             assert bf16.block_m > E4M3_MAX_BLOCK_M, m         # the check above is not vacuous
     fp8 = tuned_config(12288, g, n, k, WeightFormat.FP8, jnp.float32, base=GroupedMatmulConfig(fp4_operands="e4m3"))
     assert fp8.block_m == tuned_config(12288, g, n, k, WeightFormat.FP8, jnp.float32).block_m

@@ -351,8 +351,16 @@ _FEW_ROWS_CANDIDATES = {WeightFormat.FP4: (_Tile(8, 256, 128, 8, 4),)}
 # grouped_gemm_sweep11_h100_2026-12-06_s22.json) the spilling tiles lost: 2048 x 6 1.232 -> 1.513 ms at
 # 64 rows, 32k x 6 7.8 -> 143 ms at 128 rows, while decode gained (64 x 6 0.573 -> 0.551, 512 x 6 0.956
 # -> 0.897). So beyond the decode phase the form takes 32-row tiles (unmeasured; spill-free).
+# On the H200 (sweep round 12, 2026-12-06, results/grouped_gemm_sweep12_h200_2026-12-06_s23.json) the
+# 32-row chunk tile took 1.670 ms at 2048 x 6 against 1.212 for the bf16 form's 64-row tile: the form
+# still loses beyond decode, but a program's form may not follow its batch size (the bits would), so it
+# stays the tile a program with the form runs there.
 _E4M3_WIDE_CANDIDATES = (_Tile(32, 256, 128, 6, 4),)
 E4M3_MAX_BLOCK_M = 32
+# ``e4m3_overlap`` in the decode phase: 64 x 6 0.405 -> 0.393 ms and 512 x 6 0.730 -> 0.707 on the H200
+# (round 12), the same bits; ptxas keeps its 8- and 16-row tiles spill-free (68 / 91 registers) and
+# spills 8 B at the 32-row chunk tile, where it is not measured, so it stays off there.
+E4M3_OVERLAP_PHASES = ("decode",)
 DECODE_ROWS_PER_GROUP = 32    # below this mean rows per expert, padding to block_m dominates
 # FP4 (the formats with chunk candidates): decode tiles below 12 mean rows per expert (measured best at
 # 1 and 8); 64-row tiles at 64 (4096 x 6: 1.707 ms against 1.893 for 128-row tiles, sweep round 6);
@@ -379,7 +387,8 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
     block_k dividing base's) count. Falls back to ``base`` when no candidate fits (N or K not a multiple
     of its tiles, e.g. tiny test models). Fields other than the tile shape, the launch and the consumer
     count where a candidate names one (dequant mode, operand form, XLA tile) are taken from ``base``; the
-    E4M3 operand form keeps to tiles of at most ``E4M3_MAX_BLOCK_M`` rows beyond the decode phase."""
+    E4M3 operand form keeps to tiles of at most ``E4M3_MAX_BLOCK_M`` rows beyond the decode phase and
+    overlaps its blocks (``e4m3_overlap``, same bits) in the phases of ``E4M3_OVERLAP_PHASES``."""
     phase = tile_phase(m_rows, num_groups, fmt)
     cands = {"decode": _DECODE_CANDIDATES, "chunk": _CHUNK_CANDIDATES, "prefill": _PREFILL_CANDIDATES}[phase][fmt]
     if phase == "decode" and m_rows < FEW_ROWS_PER_GROUP * num_groups:
@@ -388,10 +397,12 @@ def tuned_config(m_rows: int, num_groups: int, n: int, k: int, fmt: WeightFormat
         cands = tuple(c for c in _E4M3_WIDE_CANDIDATES + cands if c.block_m <= E4M3_MAX_BLOCK_M)
     if base.weights_tile_major:     # the weights' layout fixes block_n and the K tile a step can read
         cands = tuple(c for c in cands if c.block_n == base.block_n and base.block_k % c.block_k == 0)
+    e4m3_overlap = base.e4m3_overlap or (uses_e4m3_rows(base, fmt) and phase in E4M3_OVERLAP_PHASES)
     for c in cands:
         cfg = fit_stages(dataclasses.replace(base, block_m=c.block_m, block_n=c.block_n, block_k=c.block_k,
                                              stages=c.stages, consumers=c.consumers or base.consumers,
-                                             persistent=(fmt, phase) in _PERSISTENT), fmt, out_dtype)
+                                             persistent=(fmt, phase) in _PERSISTENT, e4m3_overlap=e4m3_overlap),
+                         fmt, out_dtype)
         if kernel_unsupported_reason(n, k, fmt, cfg, out_dtype) is None:
             return cfg
     return base
