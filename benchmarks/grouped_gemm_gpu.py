@@ -10,7 +10,8 @@ is recorded and the next section runs):
 3. speed: decode (64 and 512 tokens x top-6) and prefill (8k and 32k tokens x top-6) per format, as
    TFLOP/s of useful work, the ratio to a dense bf16 matmul of the same FLOPs, the kernel's share of
    the op's time (the rest is the XLA plan / gather / transpose), and for decode the weight bytes per
-   second as a fraction of the measured copy bandwidth;
+   second as a fraction of the measured copy bandwidth; then the FP4 rows again with the engine's own
+   configs (tile-major weights, E4M3 operands at decode, bf16 at prefill: ``engine_fp4_cfg``);
 4. bitwise batch invariance of a probe row (M in {1,2,3,5,8,33,64}; group sizes alone / uniform /
    all in one expert / uneven) for the kernel, and the same check on ``jax.lax.ragged_dot`` and on a
    plain dense dot as negative controls (they should report DIFFERS);
@@ -78,6 +79,7 @@ def left() -> float:
 
 
 def save():
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "grouped_gemm_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
@@ -129,9 +131,20 @@ INTERPRET = os.environ.get("GG_INTERPRET") == "1"
 
 
 def decode_cfg(fmt):
-    """The model's config (``tuned_config``) at decode, 64 tokens x top-6."""
+    """``tuned_config`` at decode, 64 tokens x top-6, on row-major weights with the default FP4 decoder
+    (the form the correctness, invariance and A/B sections share; ``engine_fp4_cfg`` is the engine's)."""
     return tuned_config(64 * TOP_K, G_EXPERTS, N_WIDTH, K_HIDDEN, fmt, jnp.bfloat16,
                         GroupedMatmulConfig(a_from_registers=not INTERPRET))
+
+
+def engine_fp4_cfg(tokens: int, operands: str) -> GroupedMatmulConfig:
+    """The config the engine's MoE runs for FP4 experts at ``tokens`` x top-6 (as ``moe._tile_config``
+    builds it for weights ``prepare_experts_for_kernel`` laid out): tile-major 256 x 128 weights, the
+    "subnormal" decoder (this script's scales allow it), float32 out, the given operand form (the
+    engine's default: "e4m3" in decode programs, "bf16" in prefill programs)."""
+    base = GroupedMatmulConfig(fp4_dequant="subnormal", fp4_operands=operands, block_n=256, block_k=128,
+                               weights_tile_major=True, a_from_registers=not INTERPRET)
+    return tuned_config(tokens * TOP_K, G_EXPERTS, N_WIDTH, K_HIDDEN, WeightFormat.FP4, jnp.float32, base=base)
 
 
 def prefill_cfg(fmt, variant: str = "a"):
@@ -298,6 +311,59 @@ def invariance_cases(key, probe_x, probe_g):
     return cases
 
 
+def timing_record(label: str, fmt, cfg, m: int, active: int, total_ms: float, kern_ms, ceil_copy, ref_name: str,
+                  same, **extra) -> dict:
+    """One timed config: kernel (else op) time, weight TB/s (and its share of copy bandwidth), TFLOP/s,
+    and whether its output is bitwise the reference config's (ref_name None: no such check); printed and
+    added to the table."""
+    t = (kern_ms or total_ms) * 1e-3
+    rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms, active_experts=active, **extra,
+               weight_tb_s=wbytes(fmt, active) / t / 1e12, kernel_tflops=2 * m * N_WIDTH * K_HIDDEN / t / 1e12)
+    if ref_name is not None:
+        rec[f"bitwise_equal_{ref_name}"] = same
+    line = (f"{label} kernel {t * 1e3:7.3f} ms (op {total_ms:7.3f}) {rec['kernel_tflops']:6.1f} TF/s | "
+            f"weights {rec['weight_tb_s']:.2f} TB/s")
+    if ceil_copy:
+        rec["copy_fraction"] = rec["weight_tb_s"] / ceil_copy
+        line += f" = {rec['copy_fraction']:.2f} of copy"
+    if ref_name is not None:
+        line += " | reference" if same is None else f" | bits == {ref_name}: {same}"
+    TABLE.append(line)
+    print(line, flush=True)
+    save()
+    return rec
+
+
+def _speed_engine_fp4(w, s, ceil_copy) -> dict:
+    """The FP4 rows again with the engine's own configs (``engine_fp4_cfg``): E4M3 operands at the
+    decode token counts (a decode program's batch), bf16 operands at the prefill ones; x is FP8 per 32
+    columns, as the model's activation quantizer leaves it. The rows above keep the row-major form."""
+    out = {}
+    for phase, tokens in zip(("decode", "decode", "prefill", "prefill"), TOKENS):
+        key = f"fp4/{phase}{tokens}/engine"
+        if left() < 15:
+            out[key] = "skipped (time)"
+            continue
+        m = tokens * TOP_K
+        cfg = engine_fp4_cfg(tokens, "e4m3" if phase == "decode" else "bf16")
+        gid = routing(jax.random.key(tokens), tokens)
+        x = fp8_per_32(rows(jax.random.key(tokens + 1), m))
+        w_tm = tile_major_weights(w, cfg.block_n, cfg.block_k)
+        f = lambda x, g, w, s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, out_dtype=jnp.float32, config=cfg)  # noqa: E731
+        total_ms, kern_ms = kernel_times_ms(f, x, gid, w_tm, s, iters=1 if INTERPRET else 10)
+        del w_tm
+        out[key] = timing_record(f"fp4  {phase:7s} {tokens:6d}x6  engine ({cfg.fp4_operands} operands, "
+                                 f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages} c{cfg.consumers})",
+                                 WeightFormat.FP4, cfg, m, int(jnp.unique(gid).shape[0]), total_ms, kern_ms,
+                                 ceil_copy, None, None)
+        if phase == "prefill" and kern_ms and not INTERPRET:
+            dense = dense_tflops(m)
+            out[key]["dense_tflops"] = dense
+            out[key]["kernel_vs_dense"] = out[key].get("kernel_tflops", 0) / dense
+            TABLE.append(f"  = {out[key]['kernel_vs_dense']:.2f} of the dense bf16 rate ({dense:.0f} TF/s)")
+    return out
+
+
 @section("speed", 40)
 def _():
     out = {}
@@ -336,6 +402,8 @@ def _():
             out[f"{fmt.value}/{phase}{tokens}"] = rec
             TABLE.append(line)
             save()
+        if fmt is WeightFormat.FP4:
+            out.update(_speed_engine_fp4(w, s, ceil_copy))
         if fmt is WeightFormat.FP4 and left() > 30:     # a second prefill tiling, for the record
             tokens = TOKENS[2]
             m = tokens * TOP_K
@@ -443,26 +511,6 @@ _AB_VARIANTS = {
     WeightFormat.FP8: (("wait0 (old)", dict(overlap_wgmma=False)),
                        ("overlap (new)", dict(overlap_wgmma=True))),
 }
-
-
-def timing_record(label: str, fmt, cfg, m: int, active: int, total_ms: float, kern_ms, ceil_copy, ref_name: str,
-                  same, **extra) -> dict:
-    """One timed config: kernel (else op) time, weight TB/s (and its share of copy bandwidth), TFLOP/s,
-    and whether its output is bitwise the reference config's; printed and added to the table."""
-    t = (kern_ms or total_ms) * 1e-3
-    rec = dict(config=str(cfg), op_ms=total_ms, kernel_ms=kern_ms, active_experts=active, **extra,
-               weight_tb_s=wbytes(fmt, active) / t / 1e12, kernel_tflops=2 * m * N_WIDTH * K_HIDDEN / t / 1e12)
-    rec[f"bitwise_equal_{ref_name}"] = same
-    line = (f"{label} kernel {t * 1e3:7.3f} ms (op {total_ms:7.3f}) {rec['kernel_tflops']:6.1f} TF/s | "
-            f"weights {rec['weight_tb_s']:.2f} TB/s")
-    if ceil_copy:
-        rec["copy_fraction"] = rec["weight_tb_s"] / ceil_copy
-        line += f" = {rec['copy_fraction']:.2f} of copy"
-    line += " | reference" if same is None else f" | bits == {ref_name}: {same}"
-    TABLE.append(line)
-    print(line, flush=True)
-    save()
-    return rec
 
 
 @section("dequant_ab", 30)
