@@ -30,6 +30,8 @@ Sections:
   largest first, each XLA kernel with the jax op it came from (GPU only). On jax 0.11.2 the list missed
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
   The model program only (the sampler's later programs are not in it).
+* host: the host's time inside a decode step at --profile-batch and the first context, by program,
+  against a jitted no-op over the same arguments, and the step's largest Python functions (cProfile).
 * timeline: the same step (the engine's compiled programs, no second compile) under jax.profiler only:
   wall ms/step against GPU busy time, the longest idle gaps, GPU time by XLA program and by kernel.
 * ptimeline: the prefill of the last --prompts length (replay off: every chunk runs every layer) under
@@ -461,6 +463,66 @@ def run_profile(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, to
     return dict(batch=b, context=ctx, total_ms=total, kernels=rows[:200], timeline=timeline)
 
 
+def run_host(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, calls: int = 20):
+    """Where the host's time in a decode step goes (the engine loop's ``queue_ms``): each call timed
+    alone from an idle GPU (median ms of ``calls``): the whole step, the model program, the sampler's
+    programs, and a jitted no-op over the model program's arguments (what dispatching those pytrees
+    costs); and the largest Python functions of the whole step under cProfile (C++ dispatch shows as
+    the time of its Python caller)."""
+    import cProfile
+    import io
+    import pstats
+
+    sch = scheduler(m, numerics, b, max_len, 1)
+    try:
+        inp = fill_for_decode(sch, m, numerics, ctx)
+        for _ in range(2):      # compile every program the step runs
+            jax.block_until_ready(sch.decode_step(inp))
+
+        def median_ms(call) -> float:
+            times = []
+            for _ in range(calls):
+                jax.block_until_ready(sch.state)
+                t = time.perf_counter()
+                out = call()
+                times.append(time.perf_counter() - t)
+                jax.block_until_ready(out)
+            return float(np.median(times) * 1e3)
+
+        def model_only():
+            with jax.threefry_partitionable(True):
+                sch.state, res = sch._decode(sch.params, sch.state, inp, sch.consts)
+            return res
+
+        pre = model_only()["pre"]
+        no_logprobs = np.zeros(sch.ec.max_slots, bool)
+        noop = jax.jit(lambda p, st, i, c: i["take_sample"])
+        jax.block_until_ready(noop(sch.params, sch.state, inp, sch.consts))
+        rec = dict(batch=b, context=ctx, calls=calls,
+                   leaves=dict(params=len(jax.tree.leaves(sch.params)), state=len(jax.tree.leaves(sch.state)),
+                               inputs=len(jax.tree.leaves(inp)), consts=len(jax.tree.leaves(sch.consts))),
+                   step_ms=median_ms(lambda: sch.decode_step(inp)["token"]),
+                   model_program_ms=median_ms(model_only),
+                   sampler_ms=median_ms(lambda: sch._sample(pre, inp, no_logprobs)),
+                   noop_same_args_ms=median_ms(lambda: noop(sch.params, sch.state, inp, sch.consts)))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            jax.block_until_ready(sch.decode_step(inp)["token"])
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        rec["profile_top"] = buf.getvalue()[-6000:]
+        log(f"host B={b}: step {rec['step_ms']:.2f} ms = model program {rec['model_program_ms']:.2f} + sampler "
+            f"{rec['sampler_ms']:.2f}; no-op jit over the same arguments {rec['noop_same_args_ms']:.2f} ms "
+            f"({rec['leaves']})")
+        TABLE.append(f"host B={b:4d} ctx={ctx:6d}: call {rec['step_ms']:.2f} ms (model {rec['model_program_ms']:.2f}, "
+                     f"sampler {rec['sampler_ms']:.2f}, no-op dispatch {rec['noop_same_args_ms']:.2f})")
+        return rec
+    finally:
+        sch.state = None
+
+
 def run_timeline(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int):
     """``_timeline`` alone: the engine's own decode program (compiled once per shape, shared with the
     decode section), no second compile."""
@@ -818,6 +880,8 @@ def main(argv=None):
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),
                 [args.profile_batch], contexts[:1], max_len, "sinkhorn-loop")
+    if "host" in want:
+        section("host", run_host, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "timeline" in want:
         section("timeline", run_timeline, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "profile" in want:
