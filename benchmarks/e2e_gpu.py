@@ -38,6 +38,9 @@ Sections:
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
+* nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
+  (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
+  program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
 * bf16experts: the decode row at --profile-batch and the first context with the FP4 experts' kernel
   operands in bf16 (``Numerics.expert_operands="bf16"``): the A/B of the E4M3 form on one machine.
 * unroll: the decode step at --profile-batch and the first context with the mHC Sinkhorn rounds in
@@ -289,11 +292,15 @@ class Model:
     stored: dict    # the params' shapes and dtypes as the checkpoint stores them (before load-time prep)
 
 
-def scheduler(m: Model, numerics: Numerics, slots: int, max_len: int, chunk: int, bounded_replay: bool = True):
+def scheduler(m: Model, numerics: Numerics, slots: int, max_len: int, chunk: int, bounded_replay: bool = True,
+              xla_options: tuple = ()):
+    """The engine's scheduler with this run's XLA options (``--xla-option``) and ``xla_options`` over them."""
+    options = {**dict(RESULTS.get("xla_options", ())), **dict(xla_options)}
     return Scheduler(m.params, m.cfg, m.tok, m.token_map, numerics,
                      EngineConfig(max_slots=slots, max_len=max_len, chunk_size=min(chunk, max_len),
                                   bounded_replay=bounded_replay,
-                                  excess_precision=bool(RESULTS.get("excess_precision", False))))
+                                  excess_precision=bool(RESULTS.get("excess_precision", False)),
+                                  xla_options=tuple(sorted(options.items()))))
 
 
 def decode_inputs(sch: Scheduler, context: int) -> dict:
@@ -318,15 +325,15 @@ def fill_for_decode(sch: Scheduler, m: Model, numerics: Numerics, ctx: int) -> d
 
 
 def run_decode(m: Model, numerics: Numerics, batches, contexts, max_len: int, label: str, steps: int = 10,
-               sampler_plan: SamplerPlan | None = None):
+               sampler_plan: SamplerPlan | None = None, xla_options: tuple = ()):
     """sampler_plan: force the sampler's plan (``Scheduler.sampler_plan``; None: the engine's per-step
     choice, which for these rows, top-p, no top-k and no top-n logprobs, skips the top-k search and the
-    top-20)."""
+    top-20). xla_options: more XLA options for the engine's programs (``EngineConfig.xla_options``)."""
     rows = []
     copy = RESULTS.get("copy_Bps")
     for b in batches:
         try:
-            rows += _decode_batch(m, numerics, b, contexts, max_len, label, steps, copy, sampler_plan)
+            rows += _decode_batch(m, numerics, b, contexts, max_len, label, steps, copy, sampler_plan, xla_options)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest batch: keep the others
             traceback.print_exc()
             rows.append(dict(batch=b, error=f"{type(e).__name__}: {e}"[:500]))
@@ -368,9 +375,9 @@ def engine_loop_ms(step, steps: int) -> dict:
 
 
 def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, label: str, steps: int, copy,
-                  sampler_plan: SamplerPlan | None = None):
+                  sampler_plan: SamplerPlan | None = None, xla_options: tuple = ()):
     rows = []
-    sch = scheduler(m, numerics, b, max_len, 1)
+    sch = scheduler(m, numerics, b, max_len, 1, xla_options=xla_options)
     sch.sampler_plan = sampler_plan
     try:
         compile_s = None
@@ -766,6 +773,19 @@ def with_decode_block_m(block_m: int) -> None:
     moe._tile_config = patched
 
 
+def _xla_option(text: str) -> tuple[str, bool | int | str]:
+    """"name=value" -> (name, value) with true/false as bools and integers as ints."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--xla-option {text!r}: expected NAME=VALUE")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -800,6 +820,9 @@ def main(argv=None):
     ap.add_argument("--expert-operands", default=None, choices=("bf16", "e4m3", "e4m3-decode"),
                     help="Numerics.expert_operands: the FP4 experts' kernel operands (default: the Numerics "
                     "default); e4m3-decode = E4M3 in decode programs only (NOTES item -21)")
+    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an XLA compile option for the engine's programs in every section (EngineConfig."
+                         "xla_options; true/false and integers are typed, the rest are strings), repeatable")
     ap.add_argument("--tiny", action="store_true", help="tiny widths and sizes: a CPU smoke run of this script")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-cache", default=str(HERE.parent / ".jax_cache"),
@@ -826,6 +849,7 @@ def main(argv=None):
         f"kernels {args.kernels or 'auto'}")
     RESULTS["kernels"] = args.kernels or "auto"
     RESULTS["excess_precision"] = args.excess_precision   # read by scheduler()
+    RESULTS["xla_options"] = [_xla_option(o) for o in args.xla_option]   # read by scheduler()
     if "ceil" in want:
         section("ceilings", ceilings, out, args.tiny)
     t = time.time()
@@ -873,6 +897,9 @@ def main(argv=None):
     if "searchbits" in want:   # A/B of the search's bits per pass: the decode rows' own plan at 4 bits
         section("search-bits4-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
                 "search-bits-4", 10, SamplerPlan(sampled=True, top_k=False, top_p=True, search_bits=4))
+    if "nographs" in want:   # A/B: kernels launched one by one instead of as one CUDA graph per program
+        section("no-graphs-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
+                "no-graphs", 10, None, (("xla_gpu_enable_command_buffer", ""),))
     if "bf16experts" in want:   # A/B of Numerics.expert_operands on the same machine as the decode row
         section("bf16-experts-decode", run_decode, out, m, dataclasses.replace(numerics, expert_operands="bf16"),
                 [args.profile_batch], contexts[:1], max_len, "bf16-experts")

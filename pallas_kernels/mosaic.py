@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 from jax import lax
@@ -12,6 +13,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
     """The transforms of a shared-memory tile that TMA swizzles by ``swizzle_bytes`` (8-row tiles)."""
     return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
+
+
+def ref_type(*, write: bool) -> plgpu.RefType:
+    """An ``inline_mgpu`` reference argument the inline code reads, and writes only if ``write``. jax
+    0.12.1 checks a kernel's writes to its inputs and takes a ``RefType`` as written unless told not
+    to; earlier versions have no such fields and no such check, so there the plain form is right."""
+    if "write" in {f.name for f in dataclasses.fields(plgpu.RefType)}:
+        return plgpu.RefType(write=write)
+    return plgpu.RefType()
 
 
 # setmaxnreg shares out registers the CTA got at launch; it cannot take more. ptxas sizes the launch

@@ -149,12 +149,15 @@ def test_xla_path_is_bitwise_batch_invariant(fmt, out_dtype):
 
 
 def test_negative_control_plain_dot_fails_the_same_check():
-    """A plain XLA dot of the rows against the probe's expert is not invariant on CPU (M=1 takes a
-    matrix-vector path with another summation order), so the check above can fail."""
+    """A plain float32 XLA dot of the rows against the probe's expert is not invariant on CPU (M=1 takes
+    a matrix-vector path with another summation order), so the check above can fail. (The bf16 dot with
+    float32 accumulation was variant the same way up to jax 0.12.0.1 and is invariant at these shapes
+    on 0.12.1, so the control is the float32 one, variant on both.)"""
     rng = np.random.default_rng(4)
     w, _ = _weights(rng, WeightFormat.BF16, _INV_G, _INV_N, _INV_K)
     probe_x = jnp.asarray(rng.standard_normal(_INV_K), jnp.bfloat16)
-    fn = jax.jit(lambda x, gid: jnp.einsum("mk,nk->mn", x, w[_PROBE_G], preferred_element_type=jnp.float32))
+    w32 = w[_PROBE_G].astype(jnp.float32)
+    fn = jax.jit(lambda x, gid: jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w32))
     assert len(_variant_rows(fn, rng, probe_x)) == 9     # every case differs from M=1
 
 

@@ -393,6 +393,26 @@ def test_no_recompilation_after_warmup(toy_params, tiny_cfg, tokenizer, tiny_tok
     assert sch.compile_count() == before and compiles == []
 
 
+def test_xla_options_reach_every_program(toy_params, tiny_cfg, tokenizer, tiny_token_map):
+    """EngineConfig.xla_options are compiled into the engine's programs: a known option (command
+    buffers off, a no-op on the CPU) gives the default engine's bits, an unknown name fails at the
+    first compile, and malformed options are refused up front."""
+    prompts = _prompts(2, 21)
+    reqs = lambda: [Request(f"x{i}", p, MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]  # noqa: E731
+    kw = dict(max_slots=2, max_len=40, chunk_size=8)
+    base = [_bits(r) for r in make_scheduler(toy_params, tiny_cfg, tokenizer, tiny_token_map, **kw).run(reqs())]
+    graphs_off = make_scheduler(toy_params, tiny_cfg, tokenizer, tiny_token_map, **kw,
+                                xla_options=(("xla_gpu_enable_command_buffer", ""),))
+    assert graphs_off.compiler_options["xla_gpu_enable_command_buffer"] == ""
+    assert [_bits(r) for r in graphs_off.run(reqs())] == base
+    bad = make_scheduler(toy_params, tiny_cfg, tokenizer, tiny_token_map, **kw, xla_options=(("xla_no_such_flag", 1),))
+    with pytest.raises(Exception, match="No such compile option: 'xla_no_such_flag'"):
+        bad.run(reqs())
+    for wrong in ((("xla_gpu_enable_command_buffer",),), [("a", 1)], ((1, 2),), (("a", None),)):
+        with pytest.raises(ValueError, match="xla_options must be a tuple of"):
+            EngineConfig(xla_options=wrong)
+
+
 def test_request_errors(toy_params, tiny_cfg, tokenizer, tiny_token_map):
     sch = make_scheduler(toy_params, tiny_cfg, tokenizer, tiny_token_map, max_slots=2, max_len=16, chunk_size=8)
     with pytest.raises(ValueError, match=r"request 'x': prompt has 16 tokens, the context holds 16 .* at most 15"):

@@ -85,6 +85,11 @@ class EngineConfig:
     # XLA:GPU's excess precision: True lets it keep values the program rounds (bf16, fp8, fp4) in float32
     # where it fuses; False (default) rounds as the program says (``platform.step_compiler_options``)
     excess_precision: bool = False
+    # More XLA compile options for every program, as (name, value) pairs over the platform's, e.g.
+    # (("xla_gpu_enable_command_buffer", ""),) to launch kernels one by one instead of as a CUDA graph
+    # (benchmarks/NOTES.md item -23: a graph whose buffers move is re-recorded at every call). Any
+    # DebugOptions field; an unknown name fails at the first compile.
+    xla_options: tuple[tuple[str, bool | int | float | str], ...] = ()
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "chunk_size"):
@@ -95,6 +100,11 @@ class EngineConfig:
             raise ValueError(f"excess_precision must be true or false, got {self.excess_precision!r}")
         if self.chunk_size > self.max_len:
             raise ValueError(f"chunk_size {self.chunk_size} exceeds max_len {self.max_len}")
+        if not isinstance(self.xla_options, tuple) or not all(
+                isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) and isinstance(o[1], (bool, int, float, str))
+                for o in self.xla_options):
+            raise ValueError(f"xla_options must be a tuple of (name, bool | int | float | str) pairs, "
+                             f"got {self.xla_options!r}")
         if isinstance(self.engine_seed, bool) or not isinstance(self.engine_seed, int) \
                 or not 0 <= self.engine_seed < 2**32:
             raise ValueError(f"engine_seed must be an integer in [0, 2^32), got {self.engine_seed!r}")
@@ -294,7 +304,8 @@ class Scheduler:
         self._sampler_warm = False  # every sampler program compiled (``_warm_sampler``)
         self.state = self._init_state()
         # XLA options of every program below (``platform.step_compiler_options``)
-        self.compiler_options = platform.step_compiler_options(excess_precision=config.excess_precision)
+        self.compiler_options = {**platform.step_compiler_options(excess_precision=config.excess_precision),
+                                 **dict(config.xla_options)}
         self._prefill, self._prefill_upper, self._decode, self._plp, self._pick, self._top = _compiled_steps(
             cfg, numerics, model, keys_fn or row_keys, pad_id, max_prime,
             tuple(sorted(self.compiler_options.items())))

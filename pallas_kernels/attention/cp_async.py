@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic import ref_type
+
 _PIECE = 16            # bytes per cp.async (the .cg form, which bypasses L1)
 _THREADS = 128         # the issuing warpgroup
 
@@ -34,7 +36,7 @@ def gather_rows(idx_ref, src_ref, dst_ref, *, first: int, rows: int, row_bytes: 
     if rows % rows_per_pass:
         raise ValueError(f"rows={rows} must be a multiple of {rows_per_pass} for {row_bytes}-byte rows")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    @plgpu.inline_mgpu(arg_types=(ref_type(write=False), ref_type(write=False), ref_type(write=True)))
     def issue(_, idx_m, src_m, dst_m):
         from jax.experimental.mosaic.gpu import utils as mu
         from jaxlib.mlir import ir
