@@ -717,6 +717,16 @@ _SWEEP_ROUNDS = {
                 for f, p, t, cfgs in _ROUND_11 if p == "decode") + (
         (WeightFormat.FP4, "chunk", 2048, (_cfg(64, 256, 128, 4, **_PS, **_TM, consumers=4),
                                          _cfg(32, 256, 128, 6, **_PS, **_TM, consumers=4, fp4_operands="e4m3"))),),
+    # Round 13 (session 23, after round 12 on the H200: the E4M3 form with overlapped blocks is the decode
+    # default): its tile at each decode size, the first config the tuned table's pick. The B=256 step
+    # (256 x 6: 4 rows per expert) takes 16-row tiles by FEW_ROWS_PER_GROUP = 2, a switch set on the bf16
+    # form at 1 row per expert and never measured at 4; and 2 consumers, even with 4 at 64 x 6 without
+    # the overlap (0.395 vs 0.405 ms), is untried with it.
+    "13": tuple(
+        (WeightFormat.FP4, "decode", tokens, tuple(
+            _cfg(bm, 256, 128, 8, **_PS, **_TM, consumers=c, fp4_operands="e4m3", e4m3_overlap=True)
+            for bm, c in ((first, 4),) + tuple(t for t in ((8, 4), (8, 2), (16, 4), (16, 2)) if t != (first, 4))))
+        for tokens, first in ((64, 8), (256, 16), (512, 16))),
 }
 SWEEP_ROUND = os.environ.get("GG_SWEEP_ROUND", "5")
 
@@ -736,6 +746,7 @@ def _():
             x = fp8_per_32(x)
         active = int(jnp.unique(gid).shape[0])
         y_refs, y_first = {}, None      # the first output of each operand form, and of the case
+        w_cfg = None                    # (bound even when the time runs out before the case's first config)
         for cfg in cfgs:
             cfg = fit(cfg, fmt, jnp.float32)
             name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
