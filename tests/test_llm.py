@@ -138,6 +138,14 @@ def test_errors_say_what_is_wrong(llm, tiny_ckpt, tmp_path):
         LLM(tiny_ckpt, max_slots=100_000, max_len=4096)
 
 
+def test_xla_options_reach_the_engine(tiny_ckpt):
+    """LLM(xla_options=...) compiles them into the engine's programs: an unknown name fails at once."""
+    llm = LLM(tiny_ckpt, **ENGINE, xla_options={"xla_no_such_flag": 1})
+    assert llm.scheduler.compiler_options["xla_no_such_flag"] == 1
+    with pytest.raises(Exception, match="No such compile option: 'xla_no_such_flag'"):
+        llm.generate(["a"], [SamplingParams(max_tokens=1)])
+
+
 def test_manifest(llm):
     m = llm.manifest
     assert m["prng"] == "threefry2x32" and m["engine"]["max_slots"] == 4 and m["backend"] == "cpu"

@@ -109,7 +109,7 @@ class LLM:
                  numerics: str | Numerics = "reference", bounded_replay: bool = True, engine_seed: int = 0,
                  progress: bool = False, mesh: "str | MeshSpec | jax.sharding.Mesh | None" = None,
                  rules: ShardingRules = DEFAULT_RULES, device_memory: int | str | None = None,
-                 compile_cache: str | Path | None = None):
+                 compile_cache: str | Path | None = None, xla_options: dict[str, Any] | None = None):
         """mesh: run over a (data, tensor, expert) device mesh, e.g. ``"data=2,tensor=2,expert=2"`` (a spec
         over all devices, or a ``jax.sharding.Mesh`` from ``sharding.make_mesh``): params and caches are
         sharded by ``rules`` (``sharding.DEFAULT_RULES``) and the slots split over ``data``. None: one
@@ -118,14 +118,17 @@ class LLM:
         persistent compilation cache (``compile_cache.enable_compile_cache``; process-wide): a later
         engine with the same model and shapes loads its programs instead of compiling them, and on a
         GPU reuses the first compilation's autotuned kernel choices for XLA's GEMMs (compiled afresh,
-        XLA may time its way to another kernel, with other bits)."""
+        XLA may time its way to another kernel, with other bits). xla_options: more XLA compile options
+        for every engine program (``EngineConfig.xla_options``), e.g. ``{"xla_gpu_enable_command_buffer":
+        ""}``; an unknown name fails at the first compile."""
         if compile_cache is not None:
             enable_compile_cache(compile_cache)
         path = Path(model)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a checkpoint directory in the official "
                                     f"layout, e.g. a download of {DEFAULT_MODEL})")
-        self.engine_config = EngineConfig(max_slots, max_len, chunk_size, bool(bounded_replay), engine_seed)
+        self.engine_config = EngineConfig(max_slots, max_len, chunk_size, bool(bounded_replay), engine_seed,
+                                          xla_options=tuple(sorted((xla_options or {}).items())))
         self.cfg = ModelConfig.from_json(path)
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context "
