@@ -30,6 +30,9 @@ Sections:
   largest first, each XLA kernel with the jax op it came from (GPU only). On jax 0.11.2 the list missed
   most of the step (38 of 169 ms; NOTES.md): read it against the timeline section.
   The model program only (the sampler's later programs are not in it).
+* experts: the distinct routed experts the decode step's own (random-weight) routing touches in each
+  layer, at --profile-batch and the first context, against uniform routing's count, which the decode
+  rows' bytes assume; and the step's bytes under its own routing (a diagnostic compile of the step).
 * host: the host's time inside a decode step at --profile-batch and the first context, by program,
   against a jitted no-op over the same arguments, and the step's largest Python functions (cProfile).
 * timeline: the same step (the engine's compiled programs, no second compile) under jax.profiler only:
@@ -90,8 +93,8 @@ from deepinfer_jax.model.linear import dequantize_dense_fp8  # noqa: E402
 from deepinfer_jax.model.mhc import prepare_stream_dots  # noqa: E402
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
 from deepinfer_jax.model.numerics import Numerics  # noqa: E402
-from slice_model import (TOKENIZER_DIR, decode_bytes, matmul_macs_per_token, random_params, tree_bytes,  # noqa: E402
-                         slice_config, synthetic_cache)
+from slice_model import (TOKENIZER_DIR, decode_bytes, expected_active_experts, matmul_macs_per_token,  # noqa: E402
+                         random_params, slice_config, synthetic_cache, tree_bytes)
 
 RESULTS: dict = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "sections": {}}
 TABLE: list[str] = []
@@ -530,6 +533,51 @@ def run_host(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, calls
         sch.state = None
 
 
+def run_experts(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, steps: int = 3):
+    """How many distinct routed experts the decode step's own routing touches in each layer, against the
+    number uniform routing would (``decode_bytes``' count): the step's routing comes from random router
+    weights. A diagnostic compile of the same step with the routed expert ids sent to the host
+    (``jax.debug.callback``), run ``steps`` times from the decode section's inputs (the slots' tokens
+    move on from the first step); the last step counts. -> per-layer counts and the step's expert bytes
+    under its own routing."""
+    from deepinfer_jax.engine import scheduler as scheduler_module
+    from deepinfer_jax.model import moe as moe_module
+
+    seen: list[np.ndarray] = []
+    original = moe_module.routed_experts
+
+    def counted(p_exp, x_md, ids_mk, *args, **kwargs):
+        jax.debug.callback(lambda ids: seen.append(np.asarray(ids)), ids_mk, ordered=True)
+        return original(p_exp, x_md, ids_mk, *args, **kwargs)
+
+    moe_module.routed_experts = counted
+    scheduler_module._compiled_steps.cache_clear()      # trace the step again, with the callback
+    try:
+        sch = scheduler(m, numerics, b, max_len, 1)
+        inp = fill_for_decode(sch, m, numerics, ctx)
+        for _ in range(steps):
+            seen.clear()
+            jax.block_until_ready(sch.decode_step(inp))
+        sch.state = None
+    finally:
+        moe_module.routed_experts = original
+        scheduler_module._compiled_steps.cache_clear()   # later sections compile the step without it
+    cfg = m.cfg
+    per_layer = [int(np.unique(ids).size) for ids in seen]
+    uniform = expected_active_experts(cfg.n_routed_experts, b * cfg.num_experts_per_tok)
+    per_expert = [tree_bytes(layer["ffn"]["experts"]) / cfg.n_routed_experts for layer in m.stored["layers"]]
+    own = float(sum(n * e for n, e in zip(per_layer, per_expert)))
+    need = decode_bytes(cfg, m.stored, b, ctx, numerics.kv_quant)
+    rec = dict(batch=b, context=ctx, distinct_experts_per_layer=per_layer, uniform_expected=uniform,
+               expert_bytes_uniform=need["experts"], expert_bytes_own_routing=own,
+               total_bytes_own_routing=need["total"] - need["experts"] + own)
+    TABLE.append(f"experts B={b:4d} ctx={ctx:6d}: distinct per layer {per_layer} (uniform routing ~{uniform:.0f}); "
+                 f"step bytes {rec['total_bytes_own_routing'] / 1e9:.2f} GB on its own routing against "
+                 f"{need['total'] / 1e9:.2f} GB on uniform routing")
+    log(TABLE[-1])
+    return rec
+
+
 def run_timeline(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int):
     """``_timeline`` alone: the engine's own decode program (compiled once per shape, shared with the
     decode section), no second compile."""
@@ -913,6 +961,8 @@ def main(argv=None):
         section("timeline", run_timeline, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "profile" in want:
         section("profile", run_profile, out, m, numerics, args.profile_batch, contexts[0], max_len)
+    if "experts" in want:   # after the timed decode sections: it clears the compiled-step cache
+        section("experts", run_experts, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "prefill" in want:
         for i, c in enumerate(chunks):
             section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)

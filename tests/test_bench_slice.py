@@ -74,3 +74,27 @@ def test_decode_bytes_add_up(tiny_slice):
     assert expected_active_experts(8, 2) == pytest.approx(8 * (1 - (7 / 8) ** 2))
     assert one["experts"] < many["experts"] <= 8 * 12 * one["experts"] / expected_active_experts(8, 2)
     assert matmul_macs_per_token(cfg, params) > params["head"]["weight"].size
+
+
+def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
+    """benchmarks/e2e_gpu.py's diagnostic sections (experts, host, nographs, bf16experts) run end to end
+    on the tiny slice, as a device call would run them: no section records an error, the experts
+    section counts each layer's distinct routed experts (at most the batch's picks, at most the
+    experts there are) and reprices the step's bytes with them."""
+    import json
+
+    import e2e_gpu
+
+    rc = e2e_gpu.main(["--tiny", "--layers", "4", "--sections", "decode,experts,host,nographs,bf16experts",
+                       "--compile-cache", "none", "--out", str(tmp_path)])
+    got = json.loads((tmp_path / "e2e_gpu.json").read_text())
+    assert rc == 0, got["sections"]
+    exp = got["sections"]["experts"]
+    cfg = slice_config(4, tiny_widths=True)
+    picks = exp["batch"] * cfg.num_experts_per_tok
+    assert len(exp["distinct_experts_per_layer"]) == 4
+    assert all(1 <= n <= min(picks, cfg.n_routed_experts) for n in exp["distinct_experts_per_layer"])
+    row = next(r for r in got["sections"]["decode"] if (r["batch"], r["context"]) == (exp["batch"], exp["context"]))
+    assert exp["total_bytes_own_routing"] - exp["expert_bytes_own_routing"] == pytest.approx(
+        row["bytes"]["total"] - exp["expert_bytes_uniform"], rel=1e-9)
+    assert {"step_ms", "model_program_ms", "sampler_ms", "noop_same_args_ms"} <= set(got["sections"]["host"])
