@@ -565,12 +565,11 @@ def run_experts(m: Model, numerics: Numerics, b: int, ctx: int, max_len: int, st
     cfg = m.cfg
     per_layer = [int(np.unique(ids).size) for ids in seen]
     uniform = expected_active_experts(cfg.n_routed_experts, b * cfg.num_experts_per_tok)
-    per_expert = [tree_bytes(layer["ffn"]["experts"]) / cfg.n_routed_experts for layer in m.stored["layers"]]
-    own = float(sum(n * e for n, e in zip(per_layer, per_expert)))
     need = decode_bytes(cfg, m.stored, b, ctx, numerics.kv_quant)
+    own = decode_bytes(cfg, m.stored, b, ctx, numerics.kv_quant, active_experts=per_layer)
     rec = dict(batch=b, context=ctx, distinct_experts_per_layer=per_layer, uniform_expected=uniform,
-               expert_bytes_uniform=need["experts"], expert_bytes_own_routing=own,
-               total_bytes_own_routing=need["total"] - need["experts"] + own)
+               expert_bytes_uniform=need["experts"], expert_bytes_own_routing=own["experts"],
+               total_bytes_own_routing=own["total"])
     TABLE.append(f"experts B={b:4d} ctx={ctx:6d}: distinct per layer {per_layer} (uniform routing ~{uniform:.0f}); "
                  f"step bytes {rec['total_bytes_own_routing'] / 1e9:.2f} GB on its own routing against "
                  f"{need['total'] / 1e9:.2f} GB on uniform routing")

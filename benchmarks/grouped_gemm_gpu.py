@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, fit_stages, tile_major_weights,  # noqa: E402
-                                                tuned_config)
+from pallas_kernels.grouped_gemm.config import (TILE_MAJOR_TILE, GroupedMatmulConfig, WeightFormat, fit_stages,  # noqa: E402
+                                                tile_major_weights, tuned_config)
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas  # noqa: E402
 from pallas_kernels.grouped_gemm.reference import grouped_matmul_reference  # noqa: E402
 from timing import cupti_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
@@ -142,7 +142,8 @@ def engine_fp4_cfg(tokens: int, operands: str) -> GroupedMatmulConfig:
     builds it for weights ``prepare_experts_for_kernel`` laid out): tile-major 256 x 128 weights, the
     "subnormal" decoder (this script's scales allow it), float32 out, the given operand form (the
     engine's default: "e4m3" in decode programs, "bf16" in prefill programs)."""
-    base = GroupedMatmulConfig(fp4_dequant="subnormal", fp4_operands=operands, block_n=256, block_k=128,
+    bn, bk = TILE_MAJOR_TILE     # the layout prepare_experts_for_kernel holds; every engine config reads it
+    base = GroupedMatmulConfig(fp4_dequant="subnormal", fp4_operands=operands, block_n=bn, block_k=bk,
                                weights_tile_major=True, a_from_registers=not INTERPRET)
     return tuned_config(tokens * TOP_K, G_EXPERTS, N_WIDTH, K_HIDDEN, WeightFormat.FP4, jnp.float32, base=base)
 
@@ -339,6 +340,7 @@ def _speed_engine_fp4(w, s, ceil_copy) -> dict:
     decode token counts (a decode program's batch), bf16 operands at the prefill ones; x is FP8 per 32
     columns, as the model's activation quantizer leaves it. The rows above keep the row-major form."""
     out = {}
+    w_tm = tile_major_weights(w, *TILE_MAJOR_TILE)    # as the engine holds them, for every config
     for phase, tokens in zip(("decode", "decode", "prefill", "prefill"), TOKENS):
         key = f"fp4/{phase}{tokens}/engine"
         if left() < 15:
@@ -348,10 +350,8 @@ def _speed_engine_fp4(w, s, ceil_copy) -> dict:
         cfg = engine_fp4_cfg(tokens, "e4m3" if phase == "decode" else "bf16")
         gid = routing(jax.random.key(tokens), tokens)
         x = fp8_per_32(rows(jax.random.key(tokens + 1), m))
-        w_tm = tile_major_weights(w, cfg.block_n, cfg.block_k)
         f = lambda x, g, w, s, cfg=cfg: grouped_matmul_pallas(x, w, g, s, out_dtype=jnp.float32, config=cfg)  # noqa: E731
         total_ms, kern_ms = kernel_times_ms(f, x, gid, w_tm, s, iters=1 if INTERPRET else 10)
-        del w_tm
         out[key] = timing_record(f"fp4  {phase:7s} {tokens:6d}x6  engine ({cfg.fp4_operands} operands, "
                                  f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages} c{cfg.consumers})",
                                  WeightFormat.FP4, cfg, m, int(jnp.unique(gid).shape[0]), total_ms, kern_ms,

@@ -253,21 +253,24 @@ def expected_active_experts(n_experts: int, picks: int) -> float:
     return n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** picks)
 
 
-def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: bool = True) -> dict:
+def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: bool = True,
+                 active_experts=None) -> dict:
     """The fewest bytes one decode step must read: each layer's non-expert weights, the experts the step
-    routes to (expected number under uniform routing), the head, and per slot the KV rows attention
+    routes to (``active_experts[i]`` distinct ones in layer i when given, else the expected number under
+    uniform routing), the head, and per slot the KV rows attention
     reads (window ring + top-k compressed rows) and the index-K rows the indexers score. Writes are small
     and left out. params: arrays or ShapeDtypeStructs in the checkpoint's formats (the engine's load-time
     bf16 copies of dense FP8 weights are a speed choice, not bytes the step must read)."""
     weights = 0
     experts = 0.0
-    for layer in params["layers"]:
+    uniform = expected_active_experts(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
+    for i, layer in enumerate(params["layers"]):
         ex = layer["ffn"]["experts"]
         per_expert = tree_bytes(ex) / cfg.n_routed_experts
         weights += tree_bytes(layer) - tree_bytes(ex)
         if "engram" in layer:
             weights -= tree_bytes(layer["engram"]["embed"])  # rows gathered, counted below
-        experts += per_expert * expected_active_experts(cfg.n_routed_experts, batch * cfg.num_experts_per_tok)
+        experts += per_expert * (uniform if active_experts is None else active_experts[i])
     weights += tree_bytes((params["head"]["weight"], params["norm"]["weight"]))
     lay = kv_codec.layouts(cfg)
     row_win = _entry_bytes(lay.window, cfg.head_dim, kv_quant)
