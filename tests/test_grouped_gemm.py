@@ -341,6 +341,44 @@ def test_tiled_api_checks_the_plan_and_the_weights():
                           np.asarray(h.astype(jnp.bfloat16))[:, np.asarray(fp4_k_permutation(128))])
 
 
+@pytest.mark.parametrize("dtype, cols", [(jnp.float8_e4m3fn, 64), (jnp.bfloat16, 96), (jnp.float32, 8),
+                                         (jnp.uint8, 6), (jnp.bfloat16, 7)])
+def test_take_rows_is_the_filling_take_bit_for_bit(dtype, cols):
+    """plan.take_rows (32-bit words where a row is whole words, else the plain take) gives the bits of
+    jnp.take(mode="fill", fill_value=0): in-range rows copied, out-of-range ones (the plan's padding
+    index R, and beyond) zero, eager and jitted."""
+    from pallas_kernels.grouped_gemm.plan import take_rows
+
+    rng = np.random.default_rng(cols)
+    bits = rng.integers(0, 256, (5, cols * np.dtype(dtype).itemsize), dtype=np.uint8)
+    a = jnp.asarray(bits.view(dtype).reshape(5, cols))
+    src = jnp.asarray([4, 0, 5, 2, 2, 9, 1, 5, 3], jnp.int32)
+    want = np.asarray(jnp.take(a, src, axis=0, mode="fill", fill_value=0))
+    for fn in (take_rows, jax.jit(take_rows)):
+        got = np.asarray(fn(a, src))
+        assert got.dtype == want.dtype and got.shape == (9, cols)
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert not np.asarray(take_rows(a, src)).view(np.uint8)[[2, 5, 7]].any()
+
+
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_tile_rows_from_token_rows_are_the_repeated_rows(e4m3):
+    """tile_rows(x [M, K], group ids [M*k], rows_per_source=k) -- the MoE's form, quantized and permuted
+    once a token -- builds the plan and padded rows of the repeated x [M*k, K], bit for bit."""
+    from pallas_kernels.grouped_gemm.kernel import tile_rows
+
+    rng = np.random.default_rng(11)
+    m, k, g = 5, 3, 4
+    x = jnp.asarray(rng.standard_normal((m, 64)) * 4, jnp.bfloat16)
+    gid = jnp.asarray(rng.integers(-1, g, m * k), jnp.int32)          # (-1: a dropped row)
+    plan, rows = tile_rows(x, gid, num_groups=g, block_m=8, fp4=True, e4m3=e4m3, rows_per_source=k)
+    plan_rep, rows_rep = tile_rows(jnp.repeat(x, k, axis=0), gid, num_groups=g, block_m=8, fp4=True, e4m3=e4m3)
+    for got, want in zip(jax.tree.leaves((plan, rows)), jax.tree.leaves((plan_rep, rows_rep))):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    with pytest.raises(ValueError, match="rows_per_source=2"):
+        tile_rows(x, gid, num_groups=g, block_m=8, fp4=True, rows_per_source=2)
+
+
 @pytest.mark.parametrize("rows, groups", [(6, 4), (200, 3)])
 def test_untile_rows_and_the_transposed_unpermute_put_every_row_back(rows, groups):
     """untile_rows (y [P, N], the kernel's default output) and the y^T un-permute on both of its forms:

@@ -328,13 +328,12 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
                 if "weight_tm" in p_exp[name] else tiny for name in ("w1", "w3", "w2")}
     else:
         cfgs = {name: _tile_config(p_exp[name], m * k, numerics, act_block) for name in ("w1", "w3", "w2")}
-    xq = act_quant(x_md, numerics, act_block)
-    x_rows = jnp.repeat(xq.astype(jnp.bfloat16), k, axis=0)           # row m*k + r = token m, rank r
+    xq = act_quant(x_md, numerics, act_block).astype(jnp.bfloat16)
     if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
         fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
         if len({c.block_m for c in cfgs.values()}) == 1 and fmts["w1"] == fmts["w3"]:
-            return _routed_experts_tiled(p_exp, x_rows, gid, w_mk, limit, numerics, act_block, cfgs, fmts,
-                                         interpret)
+            return _routed_experts_tiled(p_exp, xq, gid, w_mk, limit, numerics, act_block, cfgs, fmts, interpret)
+    x_rows = jnp.repeat(xq, k, axis=0)           # row m*k + r = token m, rank r
 
     def mm(x, name):
         w, s, prepared = _kernel_weights(p_exp[name])
@@ -366,10 +365,10 @@ def _interpreted(fn, interpret: bool):
 ROUTED_SWIGLU_PADDING = 1.5   # padded rows / routed rows above which the swiglu runs on routed rows only
 
 
-def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
+def _routed_experts_tiled(p_exp: dict, xq_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
                           numerics: Numerics, act_block: int, cfgs: dict, fmts: dict, interpret: bool) -> jax.Array:
     """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
-    x_rows [M*k, D] bf16: the quantized token rows, row m*k + r for token m's rank r.
+    xq_md [M, D] bf16: the quantized token rows; gid [M*k]: routed row m*k + r is token m's rank r.
 
     The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 the eager op
     took 0.18 ms more than its kernel at decode 64 x 6 and 0.95 ms more at a 2048-token prefill chunk
@@ -392,8 +391,8 @@ def _routed_experts_tiled(p_exp: dict, x_rows: jax.Array, gid: jax.Array, w_mk: 
     # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)
     e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
     fp4 = {name: f.value == "fp4" for name, f in fmts.items()}
-    plan, x_pk = tile_rows(x_rows, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"],
-                           e4m3=e4m3["w1"])
+    plan, x_pk = tile_rows(xq_md, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"],
+                           e4m3=e4m3["w1"], rows_per_source=k)
     g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]
     if g_pn.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
         # Mostly padding (decode: 6,144 padded rows for 384 routed; a 2048-token chunk: 3x): the swiglu

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.grouped_gemm.plan import take_rows
+
 SCALE_BLOCK = 32
 E2M1_TO_E4M3_LOG2 = -6     # the bit move's value factor, 2^-6
 _E4M3_MAX = 448.0
@@ -84,9 +86,8 @@ def e4m3_rows(x_rk: jax.Array) -> E4m3Rows:
 
 
 def gather(rows: E4m3Rows, row_src: jax.Array) -> E4m3Rows:
-    """Rows ``row_src`` of ``rows`` (out-of-range: zero rows, scale 0), as ``plan.gather_rows`` does."""
-    take = lambda a: jnp.take(a, row_src, axis=0, mode="fill", fill_value=0)   # noqa: E731
-    return E4m3Rows(take(rows.values), take(rows.scale))
+    """Rows ``row_src`` of ``rows`` (out-of-range: zero rows, scale 0), as ``plan.take_rows`` does."""
+    return E4m3Rows(take_rows(rows.values, row_src), take_rows(rows.scale, row_src))
 
 
 def fp4_bytes_to_e4m3(q):

@@ -53,8 +53,8 @@ from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightForma
                                                 kernel_unsupported_reason, row_major_shape, uses_e4m3_rows,
                                                 writes_rows)
 from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
-from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, gather_rows, make_tile_plan, max_tiles,
-                                              scatter_back)
+from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, make_tile_plan, materialized, max_tiles,
+                                              scatter_back, take_rows)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
 from pallas_kernels.mosaic import consumer_registers, run_warpgroups, tiled
@@ -524,20 +524,20 @@ def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
 # only w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
 
 def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
-              fp4: bool, e4m3: bool = False) -> tuple[TilePlan, jax.Array | E4m3Rows]:
+              fp4: bool, e4m3: bool = False, rows_per_source: int = 1) -> tuple[TilePlan, jax.Array | E4m3Rows]:
     """-> (plan, x_pk [T*block_m, K]): rows sorted by group, padded to whole tiles (zeros), and for FP4
     weights in the kernel's K order; as ``E4m3Rows`` when ``e4m3`` (a config with ``uses_e4m3_rows``).
-    T is the exact bound ``max_tiles`` (these calls run inside a jit)."""
-    t = max_tiles(x_mk.shape[0], num_groups, block_m)
+    T is the exact bound ``max_tiles`` (these calls run inside a jit).
+
+    rows_per_source: routed row i reads x row i // rows_per_source, so an MoE passes its token rows
+    [M, K] with group_ids_m [M * top_k] (a token's ranks are consecutive) and the K permutation and
+    quantizer run once a token instead of once a rank. Same rows, same bits."""
+    if group_ids_m.shape[0] != x_mk.shape[0] * rows_per_source:
+        raise ValueError(f"group_ids_m has {group_ids_m.shape[0]} rows, not x_mk's {x_mk.shape[0]} x "
+                         f"rows_per_source={rows_per_source}")
+    t = max_tiles(group_ids_m.shape[0], num_groups, block_m)
     return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4,
-                            e4m3=e4m3)
-
-
-def _materialized(a: jax.Array) -> jax.Array:
-    """a, held in its row-major order. A barrier on a 2-D array is not enough: layout assignment may
-    give it a transposed layout (no data moved) and fuse the transpose into the consumer's gather again
-    (seen in XLA:CPU's HLO). A flat array has one layout."""
-    return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
+                            e4m3=e4m3, rows_per_source=rows_per_source)
 
 
 def retile(h_pk: jax.Array, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m3Rows:
@@ -548,11 +548,14 @@ def retile(h_pk: jax.Array, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m
     return fp8_operands.e4m3_rows(x_pk) if e4m3 else x_pk
 
 
-def gather_kernel_rows(x_mk: jax.Array | E4m3Rows, plan: TilePlan) -> jax.Array | E4m3Rows:
-    """``plan.gather_rows`` for either form of kernel rows (``retile``'s)."""
+def gather_kernel_rows(x_mk: jax.Array | E4m3Rows, plan: TilePlan, src: jax.Array | None = None
+                       ) -> jax.Array | E4m3Rows:
+    """The padded tile rows [T*block_m, K] of either form of kernel rows (``retile``'s): padded row p is
+    x row ``src[p]`` (default ``plan.row_src``), zeros where that is out of range."""
+    src = plan.row_src if src is None else src
     if isinstance(x_mk, E4m3Rows):
-        return fp8_operands.gather(x_mk, plan.row_src)
-    return gather_rows(x_mk, plan)
+        return fp8_operands.gather(x_mk, src)
+    return take_rows(x_mk, src)
 
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Array, w_scale: jax.Array | None = None,
@@ -587,11 +590,14 @@ def untile_rows(y_pn: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.A
 _scatter_back = jax.jit(scatter_back, static_argnames=("out_dtype",))
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4", "e4m3"))
-def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4, e4m3=False):
+@functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "num_tiles", "fp4", "e4m3",
+                                             "rows_per_source"))
+def _plan_and_gather(x_mk, group_ids_m, *, num_groups, block_m, num_tiles, fp4, e4m3=False, rows_per_source=1):
     plan = make_tile_plan(group_ids_m, num_groups, block_m, num_tiles)
-    # (permuted and quantized on the M token rows, not the T*block_m padded ones: up to ~20x more at decode)
-    return plan, gather_kernel_rows(retile(x_mk, fp4=fp4, e4m3=e4m3), plan)
+    # (permuted and quantized on the source rows, not the T*block_m padded ones: up to ~50x more at
+    # decode; the padding rows' index M*rows_per_source maps to M, out of range, so they stay zeros)
+    src = plan.row_src if rows_per_source == 1 else plan.row_src // rows_per_source
+    return plan, gather_kernel_rows(retile(x_mk, fp4=fp4, e4m3=e4m3), plan, src)
 
 
 # The y^T form (``out_rows=False``): un-permute through materialized copies when the routed rows are at
@@ -611,8 +617,8 @@ def _unpermute(y_np, plan, *, out_dtype):
     m = plan.dest_m.shape[0]
     if y_np.shape[1] > _TRANSPOSE_FIRST_PADDING * m:
         return scatter_back(y_np.T, plan, out_dtype)
-    y_nm = _materialized(jnp.take(y_np, plan.sorted_pos, axis=1, mode="clip"))  # group order
-    y_mn = _materialized(y_nm.T)
+    y_nm = materialized(jnp.take(y_np, plan.sorted_pos, axis=1, mode="clip"))  # group order
+    y_mn = materialized(y_nm.T)
     y = jnp.take(y_mn, plan.sorted_m, axis=0, mode="clip")
     return jnp.where(plan.valid_m[:, None], y, jnp.zeros((), y.dtype)).astype(out_dtype)
 

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def max_tiles(m: int, num_groups: int, block_m: int) -> int:
@@ -134,6 +135,32 @@ def _plan_by_compares(key: jax.Array, valid: jax.Array, num_groups: int, block_m
 def gather_rows(x_mk: jax.Array, plan: TilePlan) -> jax.Array:
     """x_mk [M, K] -> padded, group-sorted rows [T*bm, K] (padding rows are zeros)."""
     return jnp.take(x_mk, plan.row_src, axis=0, mode="fill", fill_value=0)
+
+
+def take_rows(a_rc: jax.Array, src_p: jax.Array) -> jax.Array:
+    """a_rc [R, C] -> [P, C]: row ``src_p[i]`` of a_rc for each i, a zero row where src_p[i] is out of
+    range; the same bits as ``jnp.take(a_rc, src_p, axis=0, mode="fill", fill_value=0)``.
+
+    Why not that take: in the H200 decode step (session 24 timeline) XLA fused the rows' producers (the
+    FP4 K permutation, the E4M3 quantizer, the repeat over an MoE's top-k) into its gather, so each of
+    the P padded rows recomputed them, one byte a thread: the x gather [3072, 5120] E4M3 took ~20 us a
+    layer, 0.8 TB/s of writes. Here the R source rows (the token or routed rows, up to ~8x fewer than P
+    at decode) are materialized first, and the gather moves 32-bit words when a row is a whole number
+    of them."""
+    r, c = a_rc.shape
+    per_word = 4 // a_rc.dtype.itemsize if a_rc.dtype.itemsize < 4 else 0
+    if not per_word or c % per_word:
+        return jnp.take(materialized(a_rc), src_p, axis=0, mode="fill", fill_value=0)
+    words = lax.bitcast_convert_type(a_rc.reshape(r, c // per_word, per_word), jnp.uint32)
+    out = jnp.take(materialized(words), src_p, axis=0, mode="fill", fill_value=0)    # zero words: zero values
+    return lax.bitcast_convert_type(out, a_rc.dtype).reshape(src_p.shape[0], c)
+
+
+def materialized(a: jax.Array) -> jax.Array:
+    """a, computed as an array of its own (not fused into its consumer) in its row-major order. The
+    barrier is on the flat array: on a 2-D one layout assignment may give it a transposed layout and
+    fuse the transpose into the consumer again (seen in XLA:CPU's HLO)."""
+    return lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
 
 def scatter_back(y_pn: jax.Array, plan: TilePlan, out_dtype) -> jax.Array:
