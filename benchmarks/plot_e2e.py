@@ -36,9 +36,27 @@ def rows(results: dict, section: str) -> list[dict]:
 
 def latest_decode_rows(results: dict) -> list[dict]:
     """One decode row per (batch, context): the last run's, whichever of its two decode sections holds it
-    (a decode section that failed at its largest batch keeps the batches before it under "(partial)")."""
-    return list({(r["batch"], r["context"]): r for run in runs(results)
-                 for r in rows(run, "kernels-decode (partial)") + rows(run, "decode")}.values())
+    (a decode section that failed at its largest batch keeps the batches before it under "(partial)"),
+    with ``own_routing_bytes`` where that run's experts section counted the step's own routing."""
+    out = {}
+    for run in runs(results):
+        counted = run["sections"].get("experts") or []
+        own = {(e["batch"], e["context"]): e["total_bytes_own_routing"]
+               for e in ([counted] if isinstance(counted, dict) else counted) if "error" not in e}
+        for r in rows(run, "kernels-decode (partial)") + rows(run, "decode"):
+            key = (r["batch"], r["context"])
+            out[key] = dict(r, own_routing_bytes=own.get(key))
+    return list(out.values())
+
+
+def copy_share(row: dict, copy: float | None) -> float | None:
+    """The row's bytes over its time as a share of copy bandwidth: its own run's ceiling where it has one
+    (the ceilings vary by run), on the bytes its own routing read where they were counted (else the
+    expected bytes of uniform routing)."""
+    share = row.get("hbm_fraction") or (row["bytes"]["total"] / (row["ms_per_step"] * 1e-3) / copy if copy else None)
+    if share and row.get("own_routing_bytes"):
+        share *= row["own_routing_bytes"] / row["bytes"]["total"]
+    return share
 
 
 def main(argv=None) -> Path:
@@ -50,10 +68,7 @@ def main(argv=None) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     decode = latest_decode_rows(res)
     for ctx in sorted({r["context"] for r in decode}):
-        # a row's share of its own run's copy ceiling where it has one (the ceilings vary by run)
-        pts = sorted((r["batch"], r["tokens_per_s"], r.get("hbm_fraction") or (
-            r["bytes"]["total"] / (r["ms_per_step"] * 1e-3) / copy if copy else None))
-            for r in decode if r["context"] == ctx)
+        pts = sorted((r["batch"], r["tokens_per_s"], copy_share(r, copy)) for r in decode if r["context"] == ctx)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"context {ctx}")
         for b, tps, share in pts:
             if share:

@@ -37,3 +37,22 @@ def test_plot_takes_each_decode_cell_from_the_last_run_that_has_it():
               "run_c": {"sections": {"decode": [row(64, 23.4)], "kernels-decode (partial)": [row(16, 11.5)]}}}
     got = {r["batch"]: r["ms_per_step"] for r in latest_decode_rows(merged)}
     assert got == {64: 23.4, 256: 44.0, 16: 11.5}
+
+
+def test_plot_share_uses_the_bytes_the_step_own_routing_read_where_counted():
+    """A run with an experts section (e2e_gpu.py --sections experts) is annotated with the share of its
+    own routing's bytes; other rows keep the uniform-routing bytes."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    from plot_e2e import copy_share, latest_decode_rows
+
+    def row(batch, ms, total):
+        return {"batch": batch, "context": 4096, "ms_per_step": ms, "bytes": {"total": total}}
+
+    merged = {"run_a": {"sections": {"decode": [row(16, 10.0, 2e10), row(64, 20.0, 6e10)]}},
+              "run_b": {"sections": {"decode": [row(64, 18.0, 6e10)],
+                                     "experts": {"batch": 64, "context": 4096, "total_bytes_own_routing": 5e10}}}}
+    shares = {r["batch"]: copy_share(r, 4e12) for r in latest_decode_rows(merged)}
+    assert shares[64] == pytest.approx(5e10 / 18e-3 / 4e12)
+    assert shares[16] == pytest.approx(2e10 / 10e-3 / 4e12)
