@@ -12,6 +12,12 @@ dense linear is one group; K is split into S groups so that enough CTAs run at 6
 chosen by K only, so a row's bits still depend on nothing but the row), the S float32 partials then
 summed in a fixed order.
 
+Each kernel config runs in both operand forms (``--operands``): "bf16" dequantizes the weights to bf16 in
+registers (item -20's form, 1.15-1.37x XLA on an H100), "e4m3" gives the stored E4M3 bytes to FP8
+wgmmas with x as E4M3 rows (``GroupedMatmulConfig.fp8_operands``; no per-weight ALU work; NOTES item
+-24(b)). x is FP8-quantized per 1 x 32 first, as the model's activation quantizer does in front of
+these linears, so the E4M3 rows are exact and both paths sum the same products.
+
 This script measures that before anything is wired into the model. For V4.1-Flash's shapes at each
 --tokens rows (wq_b, wo_a as 8 groups, wo_b, the shared expert's w1+w3 and w2): the current path (XLA
 einsum on the bf16 weights) against the kernel at each split S and tile config: CUPTI device time (the
@@ -38,8 +44,10 @@ import numpy as np  # noqa: E402
 
 from timing import cupti_ms, median_ms  # noqa: E402
 from deepinfer_jax.model.linear import dequant_fp8  # noqa: E402
+from deepinfer_jax.model.numerics import fake_quant_fp8  # noqa: E402
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, fit_stages,  # noqa: E402
-                                                kernel_unsupported_reason)
+                                                kernel_unsupported_reason, uses_e4m3_rows)
+from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows  # noqa: E402
 from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles  # noqa: E402
 from pallas_kernels.grouped_gemm.plan import TilePlan  # noqa: E402
 from pallas_kernels.grouped_gemm.scales import kernel_scales  # noqa: E402
@@ -91,6 +99,8 @@ def kernel_linear(x_mgk, w_split, s_split, *, splits: int, cfg: GroupedMatmulCon
     mp = -(-m // cfg.block_m) * cfg.block_m
     x = x_mgk.reshape(m, g, splits, k // splits).transpose(1, 2, 0, 3)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * splits * mp, k // splits)
+    if uses_e4m3_rows(cfg, WeightFormat.FP8):
+        x = e4m3_rows(x)
     y = grouped_matmul_tiles(static_plan(g * splits, mp, cfg.block_m), x, w_split, s_split, out_dtype=jnp.float32,
                              config=cfg, scales_prepared=True)
     y = y.reshape(g, splits, mp, -1)
@@ -124,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--splits", default="1,2,4,8,16", help="K splits to try (those that divide K into 128s)")
     ap.add_argument("--shapes", default=None, help="comma-separated names from SHAPES (default: all)")
+    ap.add_argument("--operands", default="bf16,e4m3", help="the kernel's fp8_operands forms to time")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     args = ap.parse_args(argv)
     shapes, configs, interp = SHAPES, CONFIGS, None
@@ -148,7 +159,8 @@ def main(argv=None) -> int:
         w8, s8 = fp8_weight(jax.random.key(n + k), g, n, k)
         w_bf16 = jax.jit(lambda w, s: dequant_fp8(w, s).astype(jnp.bfloat16))(w8, s8)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            x = jax.random.normal(jax.random.key(tokens), (tokens, g, k), jnp.float32).astype(jnp.bfloat16)
+            x = fake_quant_fp8(jax.random.normal(jax.random.key(tokens), (tokens, g, k), jnp.float32),
+                               32).astype(jnp.bfloat16)
             x_other = x.at[1:].set(-x[1:])      # same row 0, every other row changed
             ref_fn = jax.jit(xla_linear)
             ref = ref_fn(x, w_bf16)
@@ -160,9 +172,10 @@ def main(argv=None) -> int:
                 if k % (splits * 64) or (k % (splits * 128) and not args.tiny):
                     continue
                 w_s, s_s = jax.jit(split_weights, static_argnums=2)(w8, s8, splits)
-                for bm, bn, bk, st, pers in configs:
+                for (bm, bn, bk, st, pers), form in ((c, f) for c in configs for f in args.operands.split(",")):
                     cfg = fit_stages(GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=st,
-                                                         persistent=pers, a_from_registers=interp is None),
+                                                         persistent=pers, a_from_registers=interp is None,
+                                                         fp8_operands=form),
                                      WeightFormat.FP8, jnp.float32)
                     if kernel_unsupported_reason(n, k // splits, WeightFormat.FP8, cfg, jnp.float32):
                         continue
@@ -180,12 +193,13 @@ def main(argv=None) -> int:
                     mp = -(-tokens // cfg.block_m) * cfg.block_m
                     fp8_bytes = g * n * k + g * n * k // 32 + (2 * g * splits * mp * n * 4 if splits > 1 else 0)
                     row = {"shape": name, "groups": g, "n": n, "k": k, "tokens": tokens, "splits": splits,
+                           "operands": form,
                            "config": dataclasses.asdict(cfg), "ms": ms, "xla_ms": ref_ms, "timer": how,
                            "ratio_to_xla": ref_ms / ms if ms == ms else None, "bytes": fp8_bytes,
                            "tb_s": fp8_bytes / ms / 1e9 if ms == ms else None, "max_rel_diff": err,
                            "row0_invariant": same_row0}
                     rows.append(row)
-                    print(f"  S={splits:2d} {bm}x{bn}x{bk}x{cfg.stages}{' pers' if pers else ''}: {ms:.4f} ms, "
+                    print(f"  S={splits:2d} {bm}x{bn}x{bk}x{cfg.stages}{' pers' if pers else ''} {form}: {ms:.4f} ms, "
                           f"x{ref_ms / ms:.2f} vs XLA, {fp8_bytes / ms / 1e9:.2f} TB/s; rel diff {err:.2e}, "
                           f"row 0 invariant {same_row0}", flush=True)
                     save(rows)   # after every row: a device call that runs out of time keeps what it has

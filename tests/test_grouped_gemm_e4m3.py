@@ -1,7 +1,8 @@
-"""The grouped GEMM's E4M3 operand form for FP4 experts (``fp4_operands="e4m3"``, fp8_operands.py): the
-bit move replayed against ml_dtypes for every byte, the interpreter's form against the PTX replay, the
-exact re-expression of FP8-quantized rows, and the kernel in the Mosaic GPU interpreter against the
-float64 oracle, bitwise batch-invariant, and lowering for Hopper."""
+"""The grouped GEMM's E4M3 operand form for FP4 experts (``fp4_operands="e4m3"``, fp8_operands.py) and
+FP8 weights (``fp8_operands="e4m3"``): the bit move replayed against ml_dtypes for every byte, the
+interpreter's form against the PTX replay, the exact re-expression of FP8-quantized rows, and the kernel
+in the Mosaic GPU interpreter against the float64 oracle, bitwise batch-invariant, and lowering for
+Hopper, for both weight formats."""
 
 from __future__ import annotations
 
@@ -88,13 +89,25 @@ def test_e4m3_rows_refuse_k_not_a_multiple_of_32():
 def test_config_refuses_an_unknown_operand_form():
     with pytest.raises(ValueError, match="fp4_operands"):
         GroupedMatmulConfig(fp4_operands="fp8")
+    with pytest.raises(ValueError, match="fp8_operands"):
+        GroupedMatmulConfig(fp8_operands="fp4")
+
+
+def test_each_operand_field_applies_to_its_own_weight_format():
+    from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
+
+    fp4_only, fp8_only = GroupedMatmulConfig(fp4_operands="e4m3"), GroupedMatmulConfig(fp8_operands="e4m3")
+    assert uses_e4m3_rows(fp4_only, WeightFormat.FP4) and not uses_e4m3_rows(fp4_only, WeightFormat.FP8)
+    assert uses_e4m3_rows(fp8_only, WeightFormat.FP8) and not uses_e4m3_rows(fp8_only, WeightFormat.FP4)
+    assert not uses_e4m3_rows(GroupedMatmulConfig(fp4_operands="e4m3", fp8_operands="e4m3"), WeightFormat.BF16)
 
 
 # ---- the kernel in the Mosaic GPU interpreter -----------------------------------------------------------
 
 # Staged A (the interpreter's wgmma reads shared memory), 3 K steps through 2 stages (slot reuse).
 _E4M3_CFG = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False,
-                                fp4_operands="e4m3")
+                                fp4_operands="e4m3", fp8_operands="e4m3")
+_QUANT = [WeightFormat.FP4, WeightFormat.FP8]
 
 
 def _fp8_rows(rng, m, k):
@@ -106,25 +119,27 @@ def _fp8_rows(rng, m, k):
     return fake_quant_fp8(jnp.asarray(x, jnp.float32), 32).astype(jnp.bfloat16)
 
 
-def test_e4m3_kernel_in_gpu_interpreter_matches_the_float64_oracle():
+@pytest.mark.parametrize("fmt", _QUANT, ids=lambda f: f.value)
+def test_e4m3_kernel_in_gpu_interpreter_matches_the_float64_oracle(fmt):
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
     rng = np.random.default_rng(7)
     g, n, k = 3, 128, 192
-    w, s = _weights(rng, WeightFormat.FP4, g, n, k)
+    w, s = _weights(rng, fmt, g, n, k)
     x = _fp8_rows(rng, 13, k)
     gid = jnp.asarray([2, 0, 2, -1, 1, 2, 2, 0, 3, 2, 2, 1, 2], jnp.int32)
     with gpu_interpreter(detect_races=True):
         got = np.asarray(grouped_matmul_pallas(x, w, gid, s, out_dtype=jnp.float32, config=_E4M3_CFG))
     assert not races_found()
-    want = _oracle(x, w, gid, s, WeightFormat.FP4)
+    want = _oracle(x, w, gid, s, fmt)
     # Exact products; the interpreter sums each 32-column block and the scaled blocks in float32:
     # a few float32 ulps of the largest partial sum (K=192).
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert np.all(got[[3, 8]] == 0)                      # ids -1 and G give zero rows
 
 
-def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch():
+@pytest.mark.parametrize("fmt", _QUANT, ids=lambda f: f.value)
+def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch(fmt):
     """A row alone and among others (sharing its tile) gives the same bits; so do the persistent launch,
     4 consumer warpgroups, tile-major weights and the overlapped form (two block accumulators)."""
     from pallas_kernels.grouped_gemm.config import tile_major_weights
@@ -132,7 +147,7 @@ def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch():
 
     rng = np.random.default_rng(8)
     g, n, k = 3, 256, 128
-    w, s = _weights(rng, WeightFormat.FP4, g, n, k)
+    w, s = _weights(rng, fmt, g, n, k)
     x = _fp8_rows(rng, 11, k)
     gid = jnp.asarray([1, 1, 0, 1, 2, 1, 1, 1, 1, 1, 0], jnp.int32)
     variants = (dict(persistent=True), dict(consumers=4, block_n=256), dict(weights_tile_major=True),
@@ -172,14 +187,21 @@ def test_tiles_api_takes_e4m3_rows_only_with_an_e4m3_config():
                                         e4m3_overlap=True),
                                    dict(block_m=64, block_n=256, block_k=128, stages=4, consumers=2)],
                          ids=["decode", "decode-overlapped", "chunk"])
-def test_e4m3_kernel_lowers_for_hopper_with_a_in_registers(extra):
-    """The GPU form (E4M3 A in registers, WGMMA_8BIT, inline PTX) passes Mosaic GPU's lowering for CUDA."""
+@pytest.mark.parametrize("fmt", _QUANT, ids=lambda f: f.value)
+def test_e4m3_kernel_lowers_for_hopper_with_a_in_registers(extra, fmt):
+    """The GPU form (E4M3 A in registers, WGMMA_8BIT; FP4's inline PTX) passes Mosaic GPU's lowering for
+    CUDA."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
 
     g, n, k, m = 4, 256, 256, 40
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8))
-    cfg = GroupedMatmulConfig(fp4_operands="e4m3", **extra)
+    w, s = ((jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8))
+            if fmt is WeightFormat.FP4 else
+            (jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((g, n // 32, k // 32), jnp.uint8)))
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((m,), jnp.int32), s)
+    from pallas_kernels.grouped_gemm.config import fit_stages
+
+    # (FP8 weight tiles are twice FP4's bytes: the ring is as deep as shared memory allows)
+    cfg = fit_stages(GroupedMatmulConfig(fp4_operands="e4m3", fp8_operands="e4m3", **extra), fmt, jnp.float32)
     lowered = jax.jit(lambda *a: grouped_matmul_pallas(*a, config=cfg, out_dtype=jnp.float32)).trace(*args).lower(
         lowering_platforms=("cuda",))
     text = lowered.as_text()

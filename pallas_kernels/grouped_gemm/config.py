@@ -14,7 +14,7 @@ from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 SMEM_LIMIT_BYTES = 227 * 1024   # usable shared memory per CTA on Hopper (232,448 B less barriers/slack)
 _BARRIER_SLACK = 2048   # barriers and allocation alignment (measured: 1,088 B over the tile sum)
 FP4_DEQUANT_MODES = ("bits", "arith", "packed", "subnormal")
-FP4_OPERAND_FORMS = ("bf16", "e4m3")
+OPERAND_FORMS = ("bf16", "e4m3")     # fp4_operands / fp8_operands
 
 
 class WeightFormat(enum.Enum):
@@ -80,6 +80,12 @@ class GroupedMatmulConfig:
         bits than "bf16" (the partial sums round elsewhere), and x rounded to FP8 unless it already is
         such values (the model's activation quantizer makes them). fp4_dequant and overlap_wgmma do
         not apply to it.
+    fp8_operands: FP8 weights only: "bf16" dequantizes them to bf16 in registers for bf16 wgmmas with
+        bf16 x (the earlier form); "e4m3" gives the stored E4M3 weight bytes to FP8 wgmmas as they are,
+        with x as E4M3 rows and both scales on the float32 sum per 32-column block, the E4M3 form of
+        ``fp4_operands`` without its bit move (no per-weight ALU work at all). For the dense FP8
+        linears, which the engine reads as bf16 copies (2.3 GB a 12-layer decode step more than the
+        checkpoint's bytes; NOTES item -24(b)). Other bits than "bf16", as for FP4.
     e4m3_overlap: the E4M3 form with a zeroed accumulator per scale block of a K step, so block c's
         bit moves and scale loads run while block c-1's wgmma is in flight (else each block waits for
         its own wgmma). Same arithmetic in the same order, so the same bits.
@@ -110,6 +116,7 @@ class GroupedMatmulConfig:
     xla_block_m: int = 8
     weights_tile_major: bool = False
     fp4_operands: str = "bf16"
+    fp8_operands: str = "bf16"
     e4m3_overlap: bool = False
 
     def __post_init__(self):
@@ -127,8 +134,10 @@ class GroupedMatmulConfig:
             raise ValueError(f"stages={self.stages} must be >= 2 to overlap copies with compute")
         if self.fp4_dequant not in FP4_DEQUANT_MODES:
             raise ValueError(f"fp4_dequant={self.fp4_dequant!r} must be one of {FP4_DEQUANT_MODES}")
-        if self.fp4_operands not in FP4_OPERAND_FORMS:
-            raise ValueError(f"fp4_operands={self.fp4_operands!r} must be one of {FP4_OPERAND_FORMS}")
+        if self.fp4_operands not in OPERAND_FORMS:
+            raise ValueError(f"fp4_operands={self.fp4_operands!r} must be one of {OPERAND_FORMS}")
+        if self.fp8_operands not in OPERAND_FORMS:
+            raise ValueError(f"fp8_operands={self.fp8_operands!r} must be one of {OPERAND_FORMS}")
         if self.xla_block_m < 1:
             raise ValueError(f"xla_block_m={self.xla_block_m} must be >= 1")
 
@@ -187,8 +196,10 @@ def writes_rows(cfg: GroupedMatmulConfig, out_dtype) -> bool:
 
 
 def uses_e4m3_rows(cfg: GroupedMatmulConfig, fmt: WeightFormat) -> bool:
-    """Whether the kernel takes x as ``fp8_operands.E4m3Rows`` (FP4 weights with ``fp4_operands="e4m3"``)."""
-    return fmt is WeightFormat.FP4 and cfg.fp4_operands == "e4m3"
+    """Whether the kernel takes x as ``fp8_operands.E4m3Rows``: FP4 weights with ``fp4_operands="e4m3"``
+    or FP8 weights with ``fp8_operands="e4m3"``."""
+    return ((fmt is WeightFormat.FP4 and cfg.fp4_operands == "e4m3")
+            or (fmt is WeightFormat.FP8 and cfg.fp8_operands == "e4m3"))
 
 
 def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:

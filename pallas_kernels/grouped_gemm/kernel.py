@@ -22,7 +22,8 @@ takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them.
   x 2^-6) and x arrives as E4M3 values with float32 power-of-two scales per 32 columns (a fourth TMA
   copy per step); each 32-column block is one FP8 wgmma into a zeroed accumulator, added to a float32
   sum in registers times weight scale x 2^6 x x scale (``fp8_operands.py``). Other bits than the bf16
-  form, fewer instructions per weight.
+  form, fewer instructions per weight. FP8 with ``cfg.fp8_operands="e4m3"``: the same, the stored
+  E4M3 bytes being the A operand as they are (weight scale x x scale).
 * the f32 accumulator [block_n/consumers, block_m] is the transposed output tile. By default
   (``cfg.out_rows``) each consumer stores it from registers straight into y [T*block_m, N], converted to
   the transposed WGMMA layout so that every store writes whole 32-byte runs of a y row, and the wrapper
@@ -277,16 +278,20 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 without, each block waits for its own wgmma and the other consumer warpgroups fill the
                 wait. Same arithmetic in the same order either way."""
                 def block_operands(slot, q_step, c):
-                    """(A [wg_rows, 32] E4M3, (weight scales x 2^6 [wg_rows], x scales [block_m])) of block c."""
+                    """(A [wg_rows, 32] E4M3, (weight scales [wg_rows], x scales [block_m])) of block c; for
+                    FP4 the bit-moved nibbles, whose 2^-6 the weight scales undo; for FP8 the stored bytes."""
                     # (the scales are read before A is staged: in the interpreter's race model only the
                     # staging's commit_smem orders earlier shared-memory reads before the producer's next
                     # TMA write; on the GPU the empty barrier's arrive does)
-                    w_s = _e8m0_row_to_f32_times_2_6(plgpu.load(s_smem.at[slot, c, rows], layout=row_layout,
-                                                                optimized=False))
+                    s_u8 = plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False)
                     x_s = plgpu.load(xs_smem.at[slot, c], layout=col_layout, optimized=False)
                     q = block_weights(w_smem, q_step, slot, rows, c)
-                    a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if _interpreting() else
-                         fp8_operands.fp4_bytes_to_e4m3(q))
+                    if fmt is WeightFormat.FP8:
+                        a, w_s = q, _e8m0_row_to_f32(s_u8)
+                    else:
+                        a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if _interpreting() else
+                             fp8_operands.fp4_bytes_to_e4m3(q))
+                        w_s = _e8m0_row_to_f32_times_2_6(s_u8)
                     if not cfg.a_from_registers:
                         buf = a_smem.at[half, c % a_bufs]
                         buf[...] = a
