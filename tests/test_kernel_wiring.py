@@ -129,6 +129,34 @@ def test_window_index_lists_every_visible_key_in_order():
     assert np.asarray(mask).sum(-1).max() == w     # the realistic masks do fill the window
 
 
+def test_chunk_window_index_is_the_masks_window_index():
+    """chunk_window_index (the kernel routes' window columns, no [B, T, W+T] mask) equals window_index of
+    window_keys' mask for chunks as the engine makes them (one run of consecutive positions, anywhere in
+    the chunk, or none), decode rows, windows narrower than the ring, and rings with empty, stale and
+    wrapped slots."""
+    from deepinfer_jax.model.window import chunk_window_index, window_index, window_keys
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        b, t = int(rng.integers(1, 4)), int(rng.choice([1, 2, 5, 16, 40]))
+        w = int(rng.choice([4, 8, 16]))
+        window = int(rng.integers(1, w + 1))
+        pos, ring_pos = np.full((b, t), -1, np.int32), np.full((b, w), -1, np.int32)
+        for i in range(b):
+            n, start = int(rng.integers(0, t + 1)), int(rng.integers(0, 60))
+            t0 = int(rng.integers(0, t - n + 1)) if rng.random() < 0.3 else 0
+            pos[i, t0:t0 + n] = np.arange(start, start + n)
+            top = start + int(rng.integers(-3, 5))                # some slots at or past the chunk: stale
+            for p_ in range(max(0, top - w - 3), top):
+                if rng.random() < 0.8:
+                    ring_pos[i, p_ % w] = p_
+        _, mask = window_keys(jnp.zeros((b, w, 1)), jnp.asarray(ring_pos), jnp.zeros((b, t, 1)), jnp.asarray(pos),
+                              window)
+        want = np.asarray(window_index(mask, w))
+        got = np.asarray(chunk_window_index(jnp.asarray(ring_pos), jnp.asarray(pos), window, w))
+        assert np.array_equal(got, want), (pos, ring_pos, window)
+
+
 def test_attention_auto_is_bitwise_the_model_path_and_ops_is_close():
     rng = np.random.default_rng(1)
     args = _attention_inputs(rng, 2, 3, 4, 64, 8, 10, 4)

@@ -17,7 +17,7 @@ from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
 from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
-from deepinfer_jax.model.window import window_index, window_keys, window_update
+from deepinfer_jax.model.window import chunk_window_index, window_index, window_keys, window_update
 
 
 def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
@@ -51,13 +51,13 @@ def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
 def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None, idx_btk: jax.Array | None,
                   dtype, comp_layout: kv_codec.Layout = kv_codec.COMPRESSED,
-                  window: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  window: int | None = None, win_idx_btw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The window keys and the compressed KV as one ``sparse_sink_attention`` problem: kv [B, W+T(+N), D]
     (window rows first) and idx [B, T, window(+K)] (each query's visible window rows, ``window_index``,
     then the selection offset by W+T). window: the most window keys a query sees (None: W+T, no
-    compaction)."""
+    compaction). win_idx_btw: those window rows when the caller has them (``chunk_window_index``)."""
     n_w = win_mask_btw.shape[-1]
-    idx_w = window_index(win_mask_btw, n_w if window is None else window)
+    idx_w = win_idx_btw if win_idx_btw is not None else window_index(win_mask_btw, n_w if window is None else window)
     kv = win_k_bwd.astype(dtype)
     if idx_btk is None:
         return kv, idx_w
@@ -68,16 +68,22 @@ def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict |
 
 def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
                    idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, numerics: Numerics,
-                   comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> jax.Array:
+                   comp_layout: kv_codec.Layout = kv_codec.COMPRESSED,
+                   win_idx_btw: jax.Array | None = None) -> jax.Array:
     """``sink_attention`` on the implementation ``numerics.kernels`` picks (numerics.py): the model's
     float32 code, or ``pallas_kernels.attention.sparse_sink_attention`` (the Mosaic GPU kernel on Hopper,
     its XLA fallback elsewhere). With V4.1's quantized compressed cache the op is its FP4 variant,
     ``sparse_sink_attention_fp4``, which reads the selected rows as stored instead of a bf16 copy of the
-    whole cache. The choice depends on the platform, the mode and static shapes only."""
+    whole cache. The choice depends on the platform, the mode and static shapes only.
+
+    win_idx_btw: each query's visible window columns ``window_index(win_mask_btw, W)`` would give, when the
+    caller has them without the mask (``chunk_window_index``); the kernel routes take them from here."""
     from pallas_kernels import attention as pk_attn
 
     h, d = q_bthd.shape[-2:]
     ring = win_k_bwd.shape[1] - q_bthd.shape[1]   # window_keys' keys: the ring W, then the chunk's T rows
+    if win_idx_btw is None:
+        win_idx_btw = window_index(win_mask_btw, ring)
     config = pk_attn.SparseAttentionConfig()
     # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
@@ -92,10 +98,11 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
                               comp_layout)
     if fp4:
         return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype),
-                                                 window_index(win_mask_btw, ring), comp_kv["values"],
+                                                 win_idx_btw, comp_kv["values"],
                                                  comp_kv["scale"], idx_btk.astype(jnp.int32), sink_h, scale,
                                                  config=config, impl=impl)
-    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout, ring)
+    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout, ring,
+                                win_idx_btw)
     if impl == "interpret":
         from pallas_kernels.attention.config import BLOCK_ROWS
         from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
@@ -174,6 +181,8 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     lay = kv_codec.layouts(cfg)
     ring = kv_codec.decode(lay.window, layer_cache["kv"], dt)
     win_k, win_mask = window_keys(ring, layer_cache["pos"], kv, pos_bt, cfg.sliding_window)
+    # (the kernel routes take the visible window columns computed without the [B, T, W+T] mask)
+    win_idx = chunk_window_index(layer_cache["pos"], pos_bt, cfg.sliding_window, layer_cache["pos"].shape[1])
     new_ring, new_pos = window_update(layer_cache["kv"], layer_cache["pos"],
                                       kv_codec.encode(lay.window, kv, kvq, dt), pos_bt)
     new_win = {"kv": new_ring, "pos": new_pos}
@@ -198,7 +207,8 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
             idx = published[f"topk_{plan.index_source}"]
 
     with jax.named_scope("core"):
-        o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed)
+        o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed,
+                           win_idx)
     o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)
