@@ -150,9 +150,12 @@ def decode(layout: Layout, stored: dict, act_dtype) -> jax.Array:
     return v
 
 
-def scatter(stored: dict, rows_b1: jax.Array, idx_bt: jax.Array, new: dict) -> dict:
-    """stored[b, idx[b, t]] = new[b, t] for every leaf (out-of-range indices are dropped)."""
-    return {k: stored[k].at[rows_b1, idx_bt].set(new[k], mode="drop") for k in stored}
+def scatter(stored: dict, rows_b1: jax.Array, idx_bt: jax.Array, new: dict, unique: bool = False) -> dict:
+    """stored[b, idx[b, t]] = new[b, t] for every leaf (out-of-range indices are dropped).
+
+    unique: the caller promises that no two (b, idx[b, t]) are equal, the dropped ones included (give
+    each its own out-of-range index), so XLA may write the rows in parallel (``unique_indices``)."""
+    return {k: stored[k].at[rows_b1, idx_bt].set(new[k], mode="drop", unique_indices=unique) for k in stored}
 
 
 def gather(stored: dict, rows: jax.Array, idx: jax.Array) -> dict:
