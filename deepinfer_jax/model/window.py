@@ -39,8 +39,7 @@ def chunk_window_index(win_pos_bw: jax.Array, pos_bt: jax.Array, window: int, wi
 
     Why: at a prefill chunk of T rows the mask and its compaction (a cumsum and a scatter over T x (W+T))
     took ~25 ms of the H200's 32k prefill at chunk 8192 (session 24 trace), for [T, <= W] of output."""
-    b, t = pos_bt.shape
-    w = win_pos_bw.shape[1]
+    t, w = pos_bt.shape[1], win_pos_bw.shape[1]
     q = pos_bt[:, :, None]
     ring_pos = _trusted_ring_positions(win_pos_bw, pos_bt)[:, None, :]
     ring_vis = (ring_pos >= 0) & (ring_pos > q - window) & (q >= 0)      # ring positions are all below q
