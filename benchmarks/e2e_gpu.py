@@ -628,6 +628,11 @@ def _keep_hlo(name: str, text: str, limit: int = 16 << 20):
 
 
 def _site_of(name: str, sites: dict[str, str]) -> str:
+    """The model site of a kernel name from the step's HLO dump; "" for another program's kernel (named
+    "... @program": its fusion names repeat the step's, which named the top-p search's reduce a MoE
+    site in session 24's table) and for names the dump does not know."""
+    if " @" in name:
+        return ""
     key = name.split("(")[0]
     return sites.get(key) or next((v for k, v in sites.items() if key.startswith(k + "_")), "")
 

@@ -56,3 +56,17 @@ def test_plot_share_uses_the_bytes_the_step_own_routing_read_where_counted():
     shares = {r["batch"]: copy_share(r, 4e12) for r in latest_decode_rows(merged)}
     assert shares[64] == pytest.approx(5e10 / 18e-3 / 4e12)
     assert shares[16] == pytest.approx(2e10 / 10e-3 / 4e12)
+
+
+def test_timeline_names_no_site_for_another_programs_kernel():
+    """e2e_gpu.py's timeline: a kernel of another program ("name @program") gets no site from the step's
+    HLO dump, whose fusion names it repeats; the step's own kernels keep theirs."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    from e2e_gpu import _site_of
+
+    sites = {"input_reduce_fusion_14": "layer11/moe/routed/reduce_max", "loop_select_fusion": "layer0/moe/take"}
+    assert _site_of("input_reduce_fusion_14", sites) == "layer11/moe/routed/reduce_max"
+    assert _site_of("input_reduce_fusion_14 @jit_top_p_keep", sites) == ""
+    assert _site_of("loop_select_fusion_3", sites) == "layer0/moe/take"      # a suffixed launch name
