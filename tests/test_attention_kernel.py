@@ -343,12 +343,12 @@ def test_fp4_dispatcher_and_column_order():
     order = np.asarray(fp4_column_order(32))
     assert order.tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                               16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31]
-    from pallas_kernels.attention.kernel import from_kernel_columns, to_kernel_columns
+    from pallas_kernels.grouped_gemm.kernel import from_fp4_k_order, to_fp4_k_order
 
     a = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.bfloat16)
     order64 = np.asarray(fp4_column_order(64))
-    assert np.array_equal(_bits(to_kernel_columns(a)), _bits(a[..., order64]))       # the transpose form
-    assert np.array_equal(_bits(from_kernel_columns(a)), _bits(a[..., np.argsort(order64)]))
+    assert np.array_equal(_bits(to_fp4_k_order(a, 16)), _bits(a[..., order64]))       # the transpose form
+    assert np.array_equal(_bits(from_fp4_k_order(a, 16)), _bits(a[..., np.argsort(order64)]))
     rng = np.random.default_rng(14)
     q, win, widx, comp, cidx, sink = _fp4_inputs(rng, 1, 2, 4, 64, 10, 12, 6, 8)
     args = (q, win, jnp.asarray(widx), comp["values"], comp["scale"], jnp.asarray(cidx), sink, 0.125)

@@ -82,8 +82,6 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
     h, d = q_bthd.shape[-2:]
     ring = win_k_bwd.shape[1] - q_bthd.shape[1]   # window_keys' keys: the ring W, then the chunk's T rows
-    if win_idx_btw is None:
-        win_idx_btw = window_index(win_mask_btw, ring)
     config = pk_attn.SparseAttentionConfig()
     # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
@@ -96,6 +94,8 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)
+    if win_idx_btw is None:
+        win_idx_btw = window_index(win_mask_btw, ring)
     if fp4:
         return pk_attn.sparse_sink_attention_fp4(q_bthd, win_k_bwd.astype(q_bthd.dtype),
                                                  win_idx_btw, comp_kv["values"],

@@ -46,7 +46,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 # the grouped GEMM's E2M1 decoders: "arith" (float polynomial) and "bits" (float16 bit placement)
 from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
-from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation
+from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation, from_fp4_k_order, to_fp4_k_order
 from pallas_kernels.attention import cp_async
 from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
 
@@ -437,20 +437,6 @@ def fp4_column_order(d: int) -> jax.Array:
     return fp4_k_permutation(d, _FP4_GROUP)
 
 
-def to_kernel_columns(a: jax.Array) -> jax.Array:
-    """a[..., fp4_column_order(D)] as a transpose inside each 16-column group ([8, 2] -> [2, 8]), not a
-    gather: the H200 prefill trace (session 24) had XLA run the gather forms one element a thread, the
-    output's inverse inside the split merge's fusion (0.57 ms a layer-chunk at 8,192 tokens)."""
-    *lead, d = a.shape
-    return a.reshape(*lead, d // _FP4_GROUP, _FP4_GROUP // 2, 2).swapaxes(-1, -2).reshape(*lead, d)
-
-
-def from_kernel_columns(a: jax.Array) -> jax.Array:
-    """The inverse of ``to_kernel_columns``: a[..., argsort(fp4_column_order(D))]."""
-    *lead, d = a.shape
-    return a.reshape(*lead, d // _FP4_GROUP, 2, _FP4_GROUP // 2).swapaxes(-1, -2).reshape(*lead, d)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, win_idx_btk: jax.Array,
                                      comp_values_bnc: jax.Array, comp_scale_bng: jax.Array,
@@ -486,7 +472,7 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
     pad = lambda ix, k: jnp.pad(ix.astype(jnp.int32), ((0, 0), (0, 0), (0, k - ix.shape[2])),  # noqa: E731
                                 constant_values=-1)
     win_idx, comp_idx = pad(win_idx_btk, kw), pad(comp_idx_btk, kp - kw)
-    q, sink, groups = _head_groups(to_kernel_columns(q_bthd), sink_h)
+    q, sink, groups = _head_groups(to_fp4_k_order(q_bthd, _FP4_GROUP), sink_h)   # (kernel column order)
     idx = _split_blocks(jnp.concatenate([win_idx, comp_idx], axis=-1).reshape(b * t, kp), groups, config)
     # Each query's selected scale rows, block by block, scale-group major (what the kernel's slot holds).
     comp_idx = jnp.concatenate([jnp.full((b, t, kw), -1, jnp.int32), comp_idx], axis=-1)
@@ -498,5 +484,5 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
                   win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers,
                   row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place,
                   fp4_dequant=config.fp4_dequant)
-    outs = call(q, to_kernel_columns(win_kv_bsd), idx, sink, comp_values_bnc, cs)
-    return from_kernel_columns(_outputs(outs, sink, q_bthd.shape))
+    outs = call(q, to_fp4_k_order(win_kv_bsd, _FP4_GROUP), idx, sink, comp_values_bnc, cs)
+    return from_fp4_k_order(_outputs(outs, sink, q_bthd.shape), _FP4_GROUP)

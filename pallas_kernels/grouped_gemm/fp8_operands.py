@@ -86,7 +86,7 @@ def e4m3_rows(x_rk: jax.Array) -> E4m3Rows:
 
 
 def gather(rows: E4m3Rows, row_src: jax.Array) -> E4m3Rows:
-    """Rows ``row_src`` of ``rows`` (out-of-range: zero rows, scale 0), as ``plan.take_rows`` does."""
+    """Rows ``row_src`` of ``rows`` (out-of-range: zero rows, scale 0), as ``plan.take_rows`` gives them."""
     return E4m3Rows(take_rows(rows.values, row_src), take_rows(rows.scale, row_src))
 
 

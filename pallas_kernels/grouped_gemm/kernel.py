@@ -461,6 +461,21 @@ def fp4_k_permutation(k: int, block: int = SCALE_BLOCK) -> jax.Array:
     return (blk + 2 * i + par).reshape(k)
 
 
+def to_fp4_k_order(a: jax.Array, block: int = SCALE_BLOCK) -> jax.Array:
+    """a[..., fp4_k_permutation(K, block)] as a transpose inside each block of the last axis (elements
+    [block/2, 2] -> [2, block/2]), not a gather: XLA gave the gather form of x's permutation a
+    column-major result, which the following row gather then read across, and ran the attention's
+    column gathers one element a thread (the H200 prefill trace, session 24)."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // block, block // 2, 2).swapaxes(-1, -2).reshape(*lead, k)
+
+
+def from_fp4_k_order(a: jax.Array, block: int = SCALE_BLOCK) -> jax.Array:
+    """The inverse of ``to_fp4_k_order``: a[..., argsort(fp4_k_permutation(K, block))]."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // block, 2, block // 2).swapaxes(-1, -2).reshape(*lead, k)
+
+
 def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array, w_scale: jax.Array | None = None,
                           *, out_dtype=jnp.bfloat16, config: GroupedMatmulConfig = GroupedMatmulConfig(),
                           scales_prepared: bool = False) -> jax.Array:
@@ -513,16 +528,6 @@ def _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared: bool, confi
     return fmt, g, n, s_kernel
 
 
-def _in_kernel_k_order(x_mk: jax.Array, fp4: bool) -> jax.Array:
-    """x's columns in the order the kernel decodes FP4 weights (``fp4_k_permutation``); as is otherwise.
-    A transpose inside each 32-column block (elements [16, 2] -> [2, 16]), not a gather: XLA gave the
-    gather form a column-major result, which the following row gather then read across."""
-    if not fp4:
-        return x_mk
-    m, k = x_mk.shape
-    return x_mk.reshape(m, k // SCALE_BLOCK, _HALF, 2).swapaxes(-1, -2).reshape(m, k)
-
-
 # ---- the op in three parts, for callers that chain GEMMs on the same rows (an expert FFN) -------------
 # One plan and one gather serve w1 and w3; their results [T*block_m, N] stay in tile order for the
 # elementwise work between the GEMMs, w2 reads them as its rows (``retile``: bf16, FP4 K order), and
@@ -549,7 +554,8 @@ def retile(h_pk: jax.Array, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m
     """Tile-order activations [T*block_m, K] (a previous ``grouped_matmul_tiles``' y, after elementwise
     work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4 (a permutation
     inside each row's 32-column blocks); as ``E4m3Rows`` when ``e4m3``."""
-    x_pk = _in_kernel_k_order(h_pk.astype(jnp.bfloat16), fp4)
+    x_pk = h_pk.astype(jnp.bfloat16)
+    x_pk = to_fp4_k_order(x_pk) if fp4 else x_pk        # the order the kernel decodes FP4 weights in
     return fp8_operands.e4m3_rows(x_pk) if e4m3 else x_pk
 
 

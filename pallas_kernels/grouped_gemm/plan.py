@@ -132,11 +132,6 @@ def _plan_by_compares(key: jax.Array, valid: jax.Array, num_groups: int, block_m
                     sorted_pos=sorted_pos, sorted_m=sorted_m)
 
 
-def gather_rows(x_mk: jax.Array, plan: TilePlan) -> jax.Array:
-    """x_mk [M, K] -> padded, group-sorted rows [T*bm, K] (padding rows are zeros)."""
-    return jnp.take(x_mk, plan.row_src, axis=0, mode="fill", fill_value=0)
-
-
 def take_rows(a_rc: jax.Array, src_p: jax.Array) -> jax.Array:
     """a_rc [R, C] -> [P, C]: row ``src_p[i]`` of a_rc for each i, a zero row where src_p[i] is out of
     range; the same bits as ``jnp.take(a_rc, src_p, axis=0, mode="fill", fill_value=0)``.

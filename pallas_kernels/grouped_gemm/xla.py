@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_gemm.config import GroupedMatmulConfig, check_inputs
-from pallas_kernels.grouped_gemm.plan import gather_rows, make_tile_plan, scatter_back
+from pallas_kernels.grouped_gemm.plan import make_tile_plan, scatter_back, take_rows
 from pallas_kernels.grouped_gemm.reference import dequantize
 
 
@@ -28,7 +28,7 @@ def grouped_matmul_xla(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array, w_
         return jnp.zeros((0, n), out_dtype)
     bm = config.xla_block_m
     plan = make_tile_plan(group_ids_m, g, bm)
-    x_tbk = gather_rows(x_mk, plan).reshape(-1, bm, x_mk.shape[1])
+    x_tbk = take_rows(x_mk, plan.row_src).reshape(-1, bm, x_mk.shape[1])   # padded, group-sorted rows
 
     def tile(args):
         x_bk, grp = args
