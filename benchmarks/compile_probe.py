@@ -70,9 +70,10 @@ def resolve_as_cuda() -> None:
     platform.step_compiler_options = lambda platform=None, **kw: options("cuda", **kw)
 
 
-def abstract_params(cfg):
-    """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16,
-    mHC's split stream-mix weights), as ShapeDtypeStructs."""
+def abstract_params(cfg, dense_kernel: bool = False):
+    """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16 or,
+    with dense_kernel, split for the kernel; mHC's split stream-mix weights), as ShapeDtypeStructs."""
+    from deepinfer_jax.model.dense_fp8 import prepare_dense_fp8
     from deepinfer_jax.checkpoint.names import JNP_DTYPES
     from deepinfer_jax.checkpoint.tensor_specs import BACKBONE, expected_tensors
     from deepinfer_jax.model.linear import dequantize_dense_fp8
@@ -89,7 +90,8 @@ def abstract_params(cfg):
             node = node.setdefault(p, {})
         node[path[-1]] = jax.ShapeDtypeStruct((counts[path], *shape) if path in counts else shape, JNP_DTYPES[dtype])
     tree["layers"] = tuple(tree["layers"][i] for i in range(cfg.num_hidden_layers))
-    return jax.eval_shape(lambda p: prepare_stream_dots(dequantize_dense_fp8(prepare_expert_scales(p))), tree)
+    dense = (lambda p: prepare_dense_fp8(p, cfg)) if dense_kernel else (lambda p: p)
+    return jax.eval_shape(lambda p: prepare_stream_dots(dequantize_dense_fp8(dense(prepare_expert_scales(p)))), tree)
 
 
 def place_on(tree, sharding):
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-dir", type=Path, default=None, help="write each compiled program's HLO text here")
     ap.add_argument("--expert-operands", default="e4m3-decode", choices=("bf16", "e4m3", "e4m3-decode"),
                     help="Numerics.expert_operands (the FP4 experts' kernel operands)")
+    ap.add_argument("--dense-kernel", default="off", choices=("off", "on", "decode"),
+                    help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel)")
     args = ap.parse_args(argv)
 
     sharding = compile_only_sharding(args.target_config)
@@ -143,10 +147,11 @@ def main(argv=None) -> int:
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
-    params = abstract_params(cfg)
+    params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off")
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot, the cheaper FP4 decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
-                                   fp4_scale_max=127, expert_operands=args.expert_operands)
+                                   fp4_scale_max=127, expert_operands=args.expert_operands,
+                                   dense_kernel=args.dense_kernel)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)

@@ -18,12 +18,13 @@ wgmmas with x as E4M3 rows (``GroupedMatmulConfig.fp8_operands``; no per-weight 
 -24(b)). x is FP8-quantized per 1 x 32 first, as the model's activation quantizer does in front of
 these linears, so the E4M3 rows are exact and both paths sum the same products.
 
-This script measures that before anything is wired into the model. For V4.1-Flash's shapes at each
---tokens rows (wq_b, wo_a as 8 groups, wo_b, the shared expert's w1+w3 and w2): the current path (XLA
-einsum on the bf16 weights) against the kernel at each split S and tile config: CUPTI device time (the
-wall clock where CUPTI is missing), bytes read over time, the ratio to the current path, the largest
-difference from it relative to its largest value, and whether row 0 is bitwise the same when the other
-rows change. Results: $OUT/dense_fp8_gpu.json.
+The kernel form is the model's (``pallas_kernels.grouped_gemm.dense``, behind ``Numerics.dense_kernel``).
+For V4.1-Flash's shapes at each --tokens rows (wq_b, wo_a as 8 groups, wo_b, the shared expert's w1+w3
+and w2, wq_a, wkv): XLA's einsum on the bf16 weights (the engine's default) against the kernel at each
+split S and tile config, the model's own choice (``dense.split_for``, ``dense.dense_config``) marked
+"engine": CUPTI device time (the wall clock where CUPTI is missing), bytes read over time, the ratio to
+XLA, the largest difference from it relative to its largest value, and whether row 0 is bitwise the
+same when the other rows change. Results: $OUT/dense_fp8_gpu.json.
 """
 
 from __future__ import annotations
@@ -42,21 +43,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from timing import cupti_ms, median_ms  # noqa: E402
+from timing import device_ms as time_ms  # noqa: E402
 from deepinfer_jax.model.linear import dequant_fp8  # noqa: E402
 from deepinfer_jax.model.numerics import fake_quant_fp8  # noqa: E402
+from pallas_kernels.grouped_gemm import dense  # noqa: E402
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, fit_stages,  # noqa: E402
-                                                kernel_unsupported_reason, uses_e4m3_rows)
-from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows  # noqa: E402
-from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles  # noqa: E402
-from pallas_kernels.grouped_gemm.plan import TilePlan  # noqa: E402
-from pallas_kernels.grouped_gemm.scales import kernel_scales  # noqa: E402
+                                                kernel_unsupported_reason)
 
 # (name, groups G, N, K): V4.1-Flash's dense FP8 linears that read the most bytes at decode. The shared
 # expert's w1 and w3 (two [2304, 5120] linears on the same rows) are timed as one [4608, 5120] on both
 # sides.
 SHAPES = (("wq_b", 1, 32768, 1280), ("wo_a", 8, 1024, 4096), ("wo_b", 1, 5120, 8192),
-          ("shared_w13", 1, 4608, 5120), ("shared_w2", 1, 5120, 2304))
+          ("shared_w13", 1, 4608, 5120), ("shared_w2", 1, 5120, 2304), ("wq_a", 1, 1280, 5120),
+          ("wkv", 1, 512, 5120))
 TINY_SHAPES = (("tiny_a", 1, 256, 512), ("tiny_grouped", 2, 128, 256))
 # (block_m, block_n, block_k, stages, persistent)
 CONFIGS = ((64, 128, 128, 4, False), (64, 128, 128, 4, True), (64, 256, 128, 4, True), (16, 256, 128, 5, True))
@@ -72,42 +71,10 @@ def fp8_weight(key, g: int, n: int, k: int) -> tuple[jax.Array, jax.Array]:
     return w, jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
 
 
-def split_weights(w_gnk: jax.Array, s_gnk: jax.Array, splits: int) -> tuple[jax.Array, jax.Array]:
-    """[G, N, K] FP8 + [G, N/32, K/32] scales -> [G*S, N, K/S] + kernel-layout scales [G*S, K/(32S), N]:
-    group g*S + s holds K columns s*K/S .. (s+1)*K/S of linear g. A load-time copy."""
-    g, n, k = w_gnk.shape
-    w = w_gnk.reshape(g, n, splits, k // splits).transpose(0, 2, 1, 3).reshape(g * splits, n, k // splits)
-    s = s_gnk.reshape(g, n // 32, splits, k // 32 // splits).transpose(0, 2, 1, 3)
-    s = s.reshape(g * splits, n // 32, k // 32 // splits)
-    return w, kernel_scales(s, WeightFormat.FP8, n)
-
-
-def static_plan(groups: int, rows_per_group: int, block_m: int) -> TilePlan:
-    """The tile plan of G groups of rows_per_group rows each, laid out group after group: all constants."""
-    t = groups * rows_per_group // block_m
-    z = np.zeros((0,), np.int32)
-    return TilePlan(row_src=jnp.asarray(np.arange(t * block_m, dtype=np.int32)),
-                    tile_group=jnp.asarray(np.repeat(np.arange(groups, dtype=np.int32), rows_per_group // block_m)),
-                    dest_m=jnp.asarray(z), valid_m=jnp.asarray(z.astype(bool)), sorted_pos=jnp.asarray(z),
-                    sorted_m=jnp.asarray(z))
-
-
-def kernel_linear(x_mgk, w_split, s_split, *, splits: int, cfg: GroupedMatmulConfig):
-    """x [M, G, K] bf16 -> [M, G, N] bf16 through the kernel: rows [G*S*Mp, K/S], the partials summed in
-    split order."""
-    m, g, k = x_mgk.shape
-    mp = -(-m // cfg.block_m) * cfg.block_m
-    x = x_mgk.reshape(m, g, splits, k // splits).transpose(1, 2, 0, 3)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * splits * mp, k // splits)
-    if uses_e4m3_rows(cfg, WeightFormat.FP8):
-        x = e4m3_rows(x)
-    y = grouped_matmul_tiles(static_plan(g * splits, mp, cfg.block_m), x, w_split, s_split, out_dtype=jnp.float32,
-                             config=cfg, scales_prepared=True)
-    y = y.reshape(g, splits, mp, -1)
-    acc = y[:, 0]
-    for s in range(1, splits):
-        acc = acc + y[:, s]
-    return acc[:, :m].transpose(1, 0, 2).astype(jnp.bfloat16)
+def kernel_linear(x_mgk, p: dense.DenseFp8Weights, *, cfg: GroupedMatmulConfig):
+    """x [M, G, K] bf16 -> [M, G, N] bf16 through the kernel (``dense.dense_fp8_matmul``, the model's
+    form): rows [G*S*Mp, K/S], the partials summed in split order."""
+    return dense.dense_fp8_matmul(x_mgk, p, config=cfg).astype(jnp.bfloat16)
 
 
 def xla_linear(x_mgk, w_bf16_gnk):
@@ -118,13 +85,6 @@ def xla_linear(x_mgk, w_bf16_gnk):
     else:
         y = jnp.einsum("mgk,gnk->mgn", x_mgk, w_bf16_gnk, preferred_element_type=jnp.float32)
     return y.astype(jnp.bfloat16)
-
-
-def time_ms(fn, *args, reps: int) -> tuple[float, str]:
-    got = cupti_ms(fn, *args, iters=reps)
-    if got is not None:
-        return got[0], "cupti"
-    return median_ms(fn, *args, reps=reps), "wall"
 
 
 def main(argv=None) -> int:
@@ -168,25 +128,31 @@ def main(argv=None) -> int:
             bf16_bytes = 2 * g * n * k
             print(f"{name} G={g} N={n} K={k} M={tokens}: XLA on bf16 weights {ref_ms:.4f} ms ({how}), "
                   f"{bf16_bytes / ref_ms / 1e9:.2f} TB/s", flush=True)
-            for splits in splits_asked:
+            # the model's choice (dense.split_for, dense.dense_config) is timed whatever --splits says
+            eng = dense.dense_config(tokens, "e4m3")
+            eng_tile = (eng.block_m, eng.block_n, eng.block_k, eng.stages, eng.persistent)
+            eng_splits = dense.split_for(n, k, groups=g)
+            for splits in sorted(set(splits_asked) | ({eng_splits} if interp is None else set())):
                 if k % (splits * 64) or (k % (splits * 128) and not args.tiny):
                     continue
-                w_s, s_s = jax.jit(split_weights, static_argnums=2)(w8, s8, splits)
-                for (bm, bn, bk, st, pers), form in ((c, f) for c in configs for f in args.operands.split(",")):
+                p_split = jax.jit(dense.split_weights, static_argnums=2)(w8, s8, splits)
+                tiles = configs + ((eng_tile,) if splits == eng_splits and eng_tile not in configs and interp is None
+                                   else ())
+                for (bm, bn, bk, st, pers), form in ((c, f) for c in tiles for f in args.operands.split(",")):
                     cfg = fit_stages(GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=st,
                                                          persistent=pers, a_from_registers=interp is None,
                                                          fp8_operands=form),
                                      WeightFormat.FP8, jnp.float32)
                     if kernel_unsupported_reason(n, k // splits, WeightFormat.FP8, cfg, jnp.float32):
                         continue
-                    fn = jax.jit(lambda x_, w_, s_, _s=splits, _c=cfg: kernel_linear(x_, w_, s_, splits=_s, cfg=_c))
+                    fn = jax.jit(lambda x_, p_, _c=cfg: kernel_linear(x_, p_, cfg=_c))
                     if interp is not None:
                         with interp():
-                            y, y_other = fn(x, w_s, s_s), fn(x_other, w_s, s_s)
+                            y, y_other = fn(x, p_split), fn(x_other, p_split)
                         ms = float("nan")
                     else:
-                        y, y_other = fn(x, w_s, s_s), fn(x_other, w_s, s_s)
-                        ms, _ = time_ms(fn, x, w_s, s_s, reps=args.reps)
+                        y, y_other = fn(x, p_split), fn(x_other, p_split)
+                        ms, _ = time_ms(fn, x, p_split, reps=args.reps)
                     err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
                                 / jnp.max(jnp.abs(ref.astype(jnp.float32))))
                     same_row0 = bool(jnp.array_equal(y[0], y_other[0]))
@@ -197,9 +163,11 @@ def main(argv=None) -> int:
                            "config": dataclasses.asdict(cfg), "ms": ms, "xla_ms": ref_ms, "timer": how,
                            "ratio_to_xla": ref_ms / ms if ms == ms else None, "bytes": fp8_bytes,
                            "tb_s": fp8_bytes / ms / 1e9 if ms == ms else None, "max_rel_diff": err,
-                           "row0_invariant": same_row0}
+                           "row0_invariant": same_row0,
+                           "engine": splits == eng_splits and (bm, bn, bk, st, pers) == eng_tile}
                     rows.append(row)
-                    print(f"  S={splits:2d} {bm}x{bn}x{bk}x{cfg.stages}{' pers' if pers else ''} {form}: {ms:.4f} ms, "
+                    print(f"  S={splits:2d} {bm}x{bn}x{bk}x{cfg.stages}{' pers' if pers else ''} {form}"
+                          f"{' (engine)' if row['engine'] else ''}: {ms:.4f} ms, "
                           f"x{ref_ms / ms:.2f} vs XLA, {fp8_bytes / ms / 1e9:.2f} TB/s; rel diff {err:.2e}, "
                           f"row 0 invariant {same_row0}", flush=True)
                     save(rows)   # after every row: a device call that runs out of time keeps what it has

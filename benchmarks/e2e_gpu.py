@@ -46,6 +46,9 @@ Sections:
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
 * bf16experts: the decode row at --profile-batch and the first context with the FP4 experts' kernel
   operands in bf16 (``Numerics.expert_operands="bf16"``): the A/B of the E4M3 form on one machine.
+* densexla: with ``--dense-kernel`` on or decode, the decode row at --profile-batch and the first
+  context with the dense FP8 linears as XLA's bf16 dots (``Numerics.dense_kernel="off"`` on bf16-held
+  weights, the engine's other form): the A/B of the dense kernel on one machine.
 * unroll: the decode step at --profile-batch and the first context with the mHC Sinkhorn rounds in
   XLA as a while loop (``kernels`` "sinkhorn=xla", ``sinkhorn_unroll=False``: one host round trip per
   iteration), to compare with the decode section's row for the same shape (on Hopper the rounds run in
@@ -89,6 +92,7 @@ from deepinfer_jax.engine.sampling import SamplerPlan, SamplingParams, seed_word
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
+from deepinfer_jax.model.dense_fp8 import prepare_dense_fp8  # noqa: E402
 from deepinfer_jax.model.linear import dequantize_dense_fp8  # noqa: E402
 from deepinfer_jax.model.mhc import prepare_stream_dots  # noqa: E402
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
@@ -872,6 +876,9 @@ def main(argv=None):
     ap.add_argument("--expert-operands", default=None, choices=("bf16", "e4m3", "e4m3-decode"),
                     help="Numerics.expert_operands: the FP4 experts' kernel operands (default: the Numerics "
                     "default); e4m3-decode = E4M3 in decode programs only (NOTES item -21)")
+    ap.add_argument("--dense-kernel", default=None, choices=("off", "on", "decode"),
+                    help="Numerics.dense_kernel: the dense FP8 linears on the grouped GEMM kernel (default: the "
+                    "Numerics default); with the densexla section, the A/B against XLA's bf16 dots")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an XLA compile option for the engine's programs in every section (EngineConfig."
                          "xla_options; true/false and integers are typed, the rest are strings), repeatable")
@@ -913,6 +920,10 @@ def main(argv=None):
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     if args.expert_operands:
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
+    if args.dense_kernel:
+        numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
+    RESULTS["dense_kernel"] = numerics.dense_kernel
+    params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
@@ -929,6 +940,10 @@ def main(argv=None):
         tile_major = params_xla is None and not args.row_major_experts
         params, numerics = prepare_experts_for_kernel(params, numerics, tile_major=tile_major,
                                                       donate=params_xla is None)
+        if numerics.dense_kernel != "off":    # as the engine: dense FP8 linears held for the kernel
+            # (the densexla A/B reads the engine's other form, bf16 copies; only the dense leaves differ)
+            params_dense_xla = dequantize_dense_fp8(params) if "densexla" in want else None
+            params = prepare_dense_fp8(params, cfg)
         params = dequantize_dense_fp8(params)
     if numerics.bf16_stream_dot():       # as the engine does: mHC's bf16 weight parts made once
         params = prepare_stream_dots(params)
@@ -955,6 +970,10 @@ def main(argv=None):
     if "bf16experts" in want:   # A/B of Numerics.expert_operands on the same machine as the decode row
         section("bf16-experts-decode", run_decode, out, m, dataclasses.replace(numerics, expert_operands="bf16"),
                 [args.profile_batch], contexts[:1], max_len, "bf16-experts")
+    if "densexla" in want and params_dense_xla is not None:   # A/B of Numerics.dense_kernel: XLA's bf16 dots
+        section("dense-xla-decode", run_decode, out, dataclasses.replace(m, params=params_dense_xla),
+                dataclasses.replace(numerics, dense_kernel="off"), [args.profile_batch], contexts[:1], max_len,
+                "dense-xla")
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),

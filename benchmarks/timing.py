@@ -46,3 +46,12 @@ def cupti_ms(f, *args, iters: int = 10, match: str | None = None) -> tuple[float
     else:
         part = [sum(t for name, t in it if match in name) for it in per_iter]
     return float(np.median(totals)), float(np.median(part)) if any(part) else None
+
+
+def device_ms(fn, *args, reps: int) -> tuple[float, str]:
+    """(ms per call, timer): CUPTI's device time where it is available ("cupti"), else the median wall
+    time ("wall")."""
+    got = cupti_ms(fn, *args, iters=reps)
+    if got is not None:
+        return got[0], "cupti"
+    return median_ms(fn, *args, reps=reps), "wall"

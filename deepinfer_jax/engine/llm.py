@@ -20,6 +20,7 @@ from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler
 from deepinfer_jax.engine.token_map import compressed_token_map
 from deepinfer_jax.engine.tokenizer import Tokenizer
 from deepinfer_jax.model.cache import cache_bytes
+from deepinfer_jax.model.dense_fp8 import prepare_dense_fp8
 from deepinfer_jax.model.linear import dequantize_dense_fp8
 from deepinfer_jax.model.mhc import prepare_stream_dots
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel
@@ -153,6 +154,8 @@ class LLM:
             # weights back every step: they keep the checkpoint's layout there)
             self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics,
                                                                     tile_major=mesh is None, donate=True)
+            if self.numerics.dense_kernel != "off" and mesh is None:
+                self.params = prepare_dense_fp8(self.params, self.cfg)
             self.params = dequantize_dense_fp8(self.params)
         if self.numerics.bf16_stream_dot():
             self.params = prepare_stream_dots(self.params)

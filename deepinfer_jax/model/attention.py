@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, LayerPlan, ModelConfig
-from deepinfer_jax.model import attention_v4, compressor, indexer, kv_codec
+from deepinfer_jax.model import attention_v4, compressor, dense_fp8, indexer, kv_codec
 from deepinfer_jax.model.linear import quant_linear, weight_of
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
@@ -217,8 +217,13 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)
-    wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
-    z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision,
-                   preferred_element_type=jnp.float32).astype(dt)
+    # (no activation quantizer in front of wo_a: on the dense kernel its bf16 operand form)
+    impl = dense_fp8.kernel_impl(p["wo_a"], numerics, b * t, "bf16")
+    if impl is not None:
+        z = dense_fp8.kernel_matmul(o_g.reshape(b * t, g, -1), p["wo_a"], impl, "bf16").reshape(b, t, g, -1)
+    else:
+        wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
+        z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision, preferred_element_type=jnp.float32)
+    z = z.astype(dt)
     out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics, act_block=ab)
     return out, new_win, source_caches

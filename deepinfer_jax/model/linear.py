@@ -6,9 +6,12 @@ when ``numerics.fake_quant`` is on. Kernels for the GPU hot path live in ``palla
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.model import dense_fp8
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8, fit_block
 
 FP4_BLOCK = 32
@@ -63,7 +66,10 @@ def dense(x: jax.Array, w_oi: jax.Array, numerics: Numerics, out_dtype=None) -> 
 
 
 def weight_of(p: dict, dtype=jnp.float32) -> jax.Array:
-    """The dequantized weight of a linear's param dict (FP8 + scale, packed FP4 + scale, or plain)."""
+    """The dequantized weight of a linear's param dict (FP8 + scale, packed FP4 + scale, plain, or held
+    for the dense kernel: ``dense_fp8.prepare_dense_fp8``)."""
+    if dense_fp8.is_prepared(p):
+        return dense_fp8.held_weight(p, dtype)
     w = p["weight"]
     if "scale" not in p:
         return w.astype(dtype)
@@ -82,8 +88,16 @@ def act_quant(x: jax.Array, numerics: Numerics, act_block: int) -> jax.Array:
 
 
 def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, act_block: int) -> jax.Array:
-    """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation."""
+    """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation.
+    A linear held for the dense kernel runs on it where ``dense_fp8.kernel_impl`` says so (its E4M3
+    form: the quantized activations enter FP8 wgmmas exactly)."""
     x = act_quant(x, numerics, act_block)
+    lead, k = x.shape[:-1], x.shape[-1]
+    form = "e4m3" if numerics.fake_quant and act_block % 32 == 0 else "bf16"
+    impl = dense_fp8.kernel_impl(p, numerics, math.prod(lead), form)
+    if impl is not None:
+        y = dense_fp8.kernel_matmul(x.reshape(-1, 1, k), p, impl, form)
+        return y.reshape(*lead, -1).astype(out_dtype or numerics.dtype)
     w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)
     return dense(x.astype(w.dtype), w, numerics, out_dtype or numerics.dtype)
 

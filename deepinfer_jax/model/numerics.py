@@ -20,7 +20,8 @@ kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
 * ``"pallas"``: force the Pallas kernels (``KernelUnavailableError`` where they cannot run);
 * ``"interpret"``: the Pallas kernels in the Mosaic GPU interpreter (CPU tests only; slow);
 * per op: ``"attention=pallas,experts=xla"`` (ops ``attention``, ``experts``, ``indexer``, the
-  indexer's scores at prefill, and ``sinkhorn``, mHC's Sinkhorn rounds; unnamed ops: auto).
+  indexer's scores at prefill, ``sinkhorn``, mHC's Sinkhorn rounds, and ``dense``, the dense FP8
+  linears where ``dense_kernel`` asks for the kernel; unnamed ops: auto).
 
 The indexer's top-k has no Pallas kernel: it is always the ``pallas_kernels.topk`` op, on the XLA path
 under ``"xla"`` and on the registry's automatic choice otherwise (the XLA path on CPU and GPU, a kernel
@@ -38,8 +39,9 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
-KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn")
+KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn", "dense")
 EXPERT_OPERAND_MODES = ("bf16", "e4m3", "e4m3-decode")
+DENSE_KERNEL_MODES = ("off", "on", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,16 @@ class Numerics:
     # (3e-5 of the largest output apart): a token's bits depend on which program computed it, which the
     # request alone decides (its prompt is prefilled, each new token decoded), never the batch.
     expert_operands: str = "e4m3-decode"
+    # Whether the dense FP8 linears (attention's projections, the indexer's query, the shared expert:
+    # the 2-D FP8 weights outside the routed experts) run on the grouped GEMM kernel with a static
+    # K split (``pallas_kernels.grouped_gemm.dense``), reading the stored FP8 bytes instead of XLA's
+    # bf16 copies: "off" (XLA's dots everywhere), "on", or "decode" (the engine's decode programs only:
+    # at decode these GEMMs are bound by their weight reads, at prefill by their FLOPs, where XLA's
+    # dots stay). Needs weights held by ``linear.prepare_dense_fp8`` and the kernel where the program
+    # runs (``kernels`` op "dense"); anything else keeps XLA's dots, with the same bits as "off".
+    # The kernel sums in another order than XLA's dot (the products are the same), so a token's bits
+    # depend on the program kind, as with ``expert_operands``, never on the batch.
+    dense_kernel: str = "off"
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -115,17 +127,22 @@ class Numerics:
         if self.expert_operands == "e4m3" and not self.fake_quant:
             raise ValueError("Numerics(expert_operands='e4m3') needs fake_quant=True: the E4M3 form takes the "
                              "activations' FP8 values, which only the quantizer makes")
+        if self.dense_kernel not in DENSE_KERNEL_MODES:
+            raise ValueError(f"Numerics.dense_kernel={self.dense_kernel!r}; known: {DENSE_KERNEL_MODES}")
 
     def for_program(self, kind: str) -> "Numerics":
         """These numerics as a ``kind`` ("prefill" or "decode") program of the engine runs them:
         ``expert_operands="e4m3-decode"`` becomes "e4m3" in decode programs (with fake_quant on) and
-        "bf16" otherwise."""
+        "bf16" otherwise; ``dense_kernel="decode"`` becomes "on" in decode programs, "off" otherwise."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"program kind {kind!r} must be 'prefill' or 'decode'")
-        if self.expert_operands != "e4m3-decode":
-            return self
-        e4m3 = kind == "decode" and self.fake_quant
-        return dataclasses.replace(self, expert_operands="e4m3" if e4m3 else "bf16")
+        out = self
+        if self.expert_operands == "e4m3-decode":
+            e4m3 = kind == "decode" and self.fake_quant
+            out = dataclasses.replace(out, expert_operands="e4m3" if e4m3 else "bf16")
+        if self.dense_kernel == "decode":
+            out = dataclasses.replace(out, dense_kernel="on" if kind == "decode" else "off")
+        return out
 
     def unroll_sinkhorn(self) -> bool:
         """``sinkhorn_unroll`` resolved: None means unrolled on a GPU backend only."""

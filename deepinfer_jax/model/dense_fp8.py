@@ -1,0 +1,109 @@
+"""Dense FP8 linears held for the grouped GEMM kernel, and their kernel route (``Numerics.dense_kernel``).
+
+The GPU engine holds the dense FP8 linears (``linear.held_as_bf16``: 2-D FP8 weights outside the routed
+experts and lookup tables) either as bf16 copies (``linear.dequantize_dense_fp8``, XLA's dots) or, with
+``dense_kernel`` on, split along K for the kernel (``prepare_dense_fp8``: one byte a weight plus kernel-
+layout scales). A linear held this way is {"kernel_fp8": ``DenseFp8Weights``}. Where the kernel does not
+run (prefill programs under "decode", other platforms) its exact bf16 weight is rebuilt inside the step
+(``held_weight``), so XLA computes the same bits as from the checkpoint's tensors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.model.numerics import Numerics, kernel_route
+
+KERNEL_FP8 = "kernel_fp8"
+
+
+def is_prepared(p: dict) -> bool:
+    return isinstance(p, dict) and KERNEL_FP8 in p
+
+
+def _groups_of(path: tuple, cfg) -> int:
+    """attention's wo_a is o_groups linears stacked along its rows (the grouped einsum); others one."""
+    return cfg.o_groups if path and path[-1] == "wo_a" else 1
+
+
+def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k: int | None = None) -> dict:
+    """params with each dense FP8 linear that the kernel can take held as {"kernel_fp8": DenseFp8Weights}
+    (K split by ``dense.split_for``); the others, and everything else, unchanged. Single-device params
+    (no mesh layouts). Call ``linear.dequantize_dense_fp8`` after it for the ones left.
+    block_n / block_k: the tile the linears must fit (default the dense form's; smaller only for tests of
+    the held layout on tiny models, whose linears the kernel then does not take)."""
+    from deepinfer_jax.model.linear import held_as_bf16
+    from pallas_kernels.grouped_gemm import dense
+
+    split = jax.jit(dense.split_weights, static_argnums=2)
+    tile = dict(block_n=block_n or dense.DENSE_BLOCK_N, block_k=block_k or dense.DENSE_BLOCK_K)
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            w = node.get("weight")
+            if "scale" in node and w is not None and held_as_bf16(path + ("weight",), w):
+                g = _groups_of(path, cfg)
+                rows, k = w.shape
+                s = node["scale"]
+                if rows % (g * 32) or s.shape[0] % g:
+                    return node
+                n = rows // g
+                splits = dense.split_for(n, k, groups=g, **tile)
+                if dense.unsupported_reason_for(n, k, splits, **tile):
+                    return node
+                out = {kk: v for kk, v in node.items() if kk not in ("weight", "scale")}
+                out[KERNEL_FP8] = split(w.reshape(g, n, k), s.reshape(g, s.shape[0] // g, s.shape[1]), splits)
+                return out
+            return {kk: walk(v, path + (kk,)) for kk, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
+        return node
+
+    return walk(params, ())
+
+
+def held_weight(p: dict, dtype) -> jax.Array:
+    """The exact dequantized 2-D weight [G*N, K] of a prepared linear (the checkpoint's shape)."""
+    from pallas_kernels.grouped_gemm.dense import dequantized
+
+    g, n, k = p[KERNEL_FP8].shape
+    return dequantized(p[KERNEL_FP8], dtype).reshape(g * n, k)
+
+
+def kernel_impl(p: dict, numerics: Numerics, m_rows: int, fp8_operands: str) -> str | None:
+    """The kernel route for this prepared linear at m_rows rows: "pallas_mosaic_gpu", "interpret", or
+    None (XLA's dot on ``held_weight``). Static: platform, numerics and shapes only."""
+    from pallas_kernels.registry import PALLAS_MOSAIC_GPU
+
+    if not is_prepared(p) or numerics.dense_kernel != "on" or numerics.dtype != jnp.bfloat16:
+        return None
+    cfg = config_for(p, m_rows, fp8_operands, interpret=numerics.kernel_mode("dense") == "interpret")
+    from pallas_kernels.grouped_gemm.dense import unsupported_reason
+
+    route, impl = kernel_route(numerics, "dense", "grouped_matmul", unsupported_reason(p[KERNEL_FP8], cfg))
+    return impl if route == "op" and impl in (PALLAS_MOSAIC_GPU, "interpret") else None
+
+
+def config_for(p: dict, m_rows: int, fp8_operands: str, *, interpret: bool):
+    """The kernel config of a prepared linear at m_rows rows (the interpreter: 64-wide K steps and the
+    dequantized tile staged in shared memory, the form it can run; the same K order and so the same
+    bits)."""
+    from pallas_kernels.grouped_gemm.dense import dense_config
+
+    if interpret:
+        return dense_config(m_rows, fp8_operands, block_k=64, a_from_registers=False)
+    return dense_config(m_rows, fp8_operands)
+
+
+def kernel_matmul(x_mgk: jax.Array, p: dict, impl: str, fp8_operands: str) -> jax.Array:
+    """x [M, G, K] -> float32 [M, G, N] on the kernel (``kernel_impl``'s route)."""
+    from pallas_kernels.grouped_gemm.dense import dense_fp8_matmul
+
+    cfg = config_for(p, x_mgk.shape[0], fp8_operands, interpret=impl == "interpret")
+    if impl != "interpret":
+        return dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
+    from pallas_kernels.interpret import gpu_interpreter
+
+    with gpu_interpreter():
+        return dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)

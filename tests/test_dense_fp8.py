@@ -1,0 +1,169 @@
+"""Dense FP8 linears on the grouped GEMM kernel (``pallas_kernels.grouped_gemm.dense``,
+``deepinfer_jax.model.dense_fp8``, ``Numerics.dense_kernel``).
+
+* the K-split layout made at load gives back the checkpoint's exact weights (bitwise);
+* the kernel (Mosaic GPU interpreter) in both operand forms against a float64 product of the same
+  operands, and a row's bits unchanged by the other rows and by M (which picks the row tile);
+* the model: prepared weights on the XLA route (the CPU, prefill programs) keep every logit's bits; the
+  kernel route in ``quant_linear`` and attention's ``wo_a`` matches the XLA route within float32
+  summation order; ``for_program`` turns "decode" on in decode programs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.model import dense_fp8
+from deepinfer_jax.model.linear import dequant_fp8, dequantize_dense_fp8, quant_linear
+from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+from pallas_kernels.grouped_gemm import dense
+
+
+def _fp8_linear(key, g: int, n: int, k: int):
+    """Random E4M3 weights [G, N, K] and E8M0 block scales [G, N/32, K/32] (bytes 117..121: 2^-10..2^-6)."""
+    kw, ks = jax.random.split(key)
+    w = jnp.clip(jax.random.normal(kw, (g, n, k)) * 64.0, -448, 448).astype(jnp.float8_e4m3fn)
+    s = jax.random.randint(ks, (g, n // 32, k // 32), 117, 122).astype(jnp.uint8)
+    return w, jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("g,n,k,splits", [(1, 256, 512, 1), (1, 128, 1024, 4), (2, 64, 256, 2)])
+def test_split_layout_gives_back_the_exact_weights(g, n, k, splits):
+    w, s = _fp8_linear(jax.random.key(g * n + k), g, n, k)
+    p = dense.split_weights(w, s, splits)
+    assert p.weight.shape == (g * splits, n, k // splits) and p.scale_kn.shape == (g * splits, k // 32 // splits, n)
+    assert p.shape == (g, n, k)
+    want = dequant_fp8(w, s).astype(jnp.bfloat16)
+    assert np.array_equal(_bits(dense.dequantized(p)), _bits(want))
+
+
+def test_split_rule_depends_on_the_shape_only():
+    """Enough (N tile, piece) work items for an H200's 132 SMs, whole 128-column steps per piece."""
+    assert dense.split_for(32768, 1280) == 1               # wq_b: 256 N tiles already
+    assert dense.split_for(5120, 8192) == 4                # wo_b: 40 N tiles
+    assert dense.split_for(1024, 4096, groups=8) == 2      # wo_a: 8 linears of 8 N tiles
+    assert dense.split_for(512, 5120) == 8                 # wkv: 4 N tiles; 5120 = 8 x 640 (5 steps)
+    assert dense.split_for(5120, 2304) == 2                # shared w2: 4 pieces of 576 are no whole steps
+    assert all(5120 % (dense.split_for(n, 5120) * 128) == 0 for n in (512, 1280, 2304))
+
+
+def _x(m: int, g: int, k: int, seed: int = 1) -> jax.Array:
+    """Activation rows as the model's quantizer leaves them (FP8 per 1 x 32, bf16)."""
+    return fake_quant_fp8(jax.random.normal(jax.random.key(seed), (m, g, k)), 32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("form", ["e4m3", "bf16"])
+@pytest.mark.parametrize("g,n,k,splits", [(1, 256, 512, 2), (2, 128, 256, 1)])
+def test_kernel_in_gpu_interpreter_matches_float64_and_keeps_row_bits(form, g, n, k, splits):
+    """Same products as the float64 oracle (exact in float32), float32 sums: the difference is summation
+    order, ~K x 2^-24 of the largest output at most (K <= 512: < 3e-5; measured ~7e-8). Row 0's bits do
+    not change when every other row does and M moves from 5 rows (16-row tiles) to 40 (64-row tiles)."""
+    from pallas_kernels.interpret import gpu_interpreter
+
+    w, s = _fp8_linear(jax.random.key(3), g, n, k)
+    p = dense.split_weights(w, s, splits)
+    w64 = np.asarray(dequant_fp8(w, s), np.float64)
+    x = _x(40, g, k)
+    x_other = x.at[1:].set(-x[1:])
+    got = {}
+    for name, xm in (("few", x[:5]), ("many", x_other)):
+        cfg = dense.dense_config(xm.shape[0], form, block_k=64, a_from_registers=False)
+        with gpu_interpreter():
+            y = dense.dense_fp8_matmul(xm, p, config=cfg)
+        assert y.shape == (xm.shape[0], g, n) and y.dtype == jnp.float32
+        want = np.einsum("mgk,gnk->mgn", np.asarray(xm, np.float64), w64)
+        assert np.max(np.abs(np.asarray(y, np.float64) - want)) <= 3e-5 * np.max(np.abs(want))
+        got[name] = y
+    assert dense.dense_config(5, form).block_m != dense.dense_config(40, form).block_m
+    assert np.array_equal(_bits(got["few"][0]), _bits(got["many"][0]))
+
+
+def _linear_params(n: int, k: int, groups: int = 1, seed: int = 0) -> dict:
+    w, s = _fp8_linear(jax.random.key(seed), groups, n, k)
+    return {"weight": w.reshape(groups * n, k), "scale": s.reshape(groups * n // 32, k // 32)}
+
+
+def test_quant_linear_kernel_route_matches_the_xla_route():
+    """quant_linear on prepared weights: with dense_kernel off (or the kernel not here) bitwise the held-
+    bf16 path; on the kernel in the interpreter (E4M3 form) within float32 summation order of it."""
+    p = {"lin": _linear_params(256, 512)}
+    prepared = dense_fp8.prepare_dense_fp8(p, cfg=None)
+    assert dense_fp8.is_prepared(prepared["lin"]) and prepared["lin"][dense_fp8.KERNEL_FP8].splits == 4
+    held = dequantize_dense_fp8(p)
+    x = jax.random.normal(jax.random.key(5), (3, 2, 512)).astype(jnp.bfloat16)
+    nq = Numerics.reference()
+    want = quant_linear(x, held["lin"], nq, jnp.float32, act_block=32)
+    for numerics in (nq, dataclasses.replace(nq, dense_kernel="on"), dataclasses.replace(nq, dense_kernel="decode")):
+        got = quant_linear(x, prepared["lin"], numerics, jnp.float32, act_block=32)
+        assert np.array_equal(_bits(got), _bits(want)), numerics.dense_kernel
+    on = dataclasses.replace(nq, dense_kernel="on", kernels="dense=interpret")
+    assert dense_fp8.kernel_impl(prepared["lin"], on, 6, "e4m3") == "interpret"
+    got = quant_linear(x, prepared["lin"], on, jnp.float32, act_block=32)
+    assert got.shape == want.shape
+    # both: exact products summed in float32 over K = 512 (the XLA dot's order vs 4 pieces of 128 + 3 adds)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=3e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_grouped_wo_a_kernel_route_matches_the_einsum():
+    """attention's wo_a (o_groups linears on their own slices of o): the bf16 operand form (o has no
+    quantizer) against the model's grouped einsum on the same dequantized weights."""
+    from pallas_kernels.interpret import gpu_interpreter  # noqa: F401 - the interpreter must import here
+
+    g, n, k = 2, 128, 256
+
+    class Cfg:
+        o_groups = g
+
+    p = dense_fp8.prepare_dense_fp8({"wo_a": _linear_params(n, k, groups=g, seed=2)}, Cfg)["wo_a"]
+    assert p[dense_fp8.KERNEL_FP8].groups == g
+    o = jax.random.normal(jax.random.key(6), (7, g, k)).astype(jnp.bfloat16)
+    on = dataclasses.replace(Numerics.reference(), dense_kernel="on", kernels="dense=interpret")
+    impl = dense_fp8.kernel_impl(p, on, 7, "bf16")
+    assert impl == "interpret"
+    got = dense_fp8.kernel_matmul(o, p, impl, "bf16")
+    w = dense_fp8.held_weight(p, jnp.bfloat16).reshape(g, n, k)
+    want = jnp.einsum("mgi,gri->mgr", o, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=3e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_prepared_tiny_model_keeps_its_logits_bits(tiny_params, tiny_cfg, tiny_token_map):
+    """The held layout on the tiny model (its linears are narrower than the kernel's tiles, so prepared
+    here with 32-wide tiles: the layout, not the kernel): every dense FP8 linear, attention's grouped
+    wo_a included, rebuilt inside the step gives the logits of the held-bf16 engine bit for bit, with
+    dense_kernel off and on (the kernel cannot take them: XLA's dots)."""
+    from test_model_consistency import _prompts, run_chunks
+
+    prepared = dequantize_dense_fp8(dense_fp8.prepare_dense_fp8(tiny_params, tiny_cfg, block_n=32, block_k=32))
+    n_prepared = sum(isinstance(leaf, dense.DenseFp8Weights)
+                     for leaf in jax.tree.leaves(prepared, is_leaf=lambda x: isinstance(x, dense.DenseFp8Weights)))
+    assert n_prepared >= 4 * tiny_cfg.num_hidden_layers
+    assert dense_fp8.is_prepared(prepared["layers"][0]["attn"]["wo_a"])
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    nq = Numerics.reference()
+    want = run_chunks(dequantize_dense_fp8(tiny_params), tiny_cfg, tiny_token_map, prompts, 7, nq)
+    for numerics in (nq, dataclasses.replace(nq, dense_kernel="on")):
+        got = run_chunks(prepared, tiny_cfg, tiny_token_map, prompts, 7, numerics)
+        assert np.array_equal(got, want), numerics.dense_kernel
+
+
+def test_dense_kernel_modes_per_program():
+    nq = dataclasses.replace(Numerics.reference(), dense_kernel="decode")
+    assert nq.for_program("decode").dense_kernel == "on"
+    assert nq.for_program("prefill").dense_kernel == "off"
+    assert Numerics.reference().dense_kernel == "off"                  # the default until timed on a GPU
+    on = dataclasses.replace(nq, dense_kernel="on")
+    assert on.for_program("prefill").dense_kernel == "on"
+    with pytest.raises(ValueError, match="dense_kernel"):
+        Numerics(dense_kernel="always")
+    assert Numerics(kernels="dense=xla").kernel_mode("dense") == "xla"
