@@ -87,6 +87,38 @@ def test_kernel_in_gpu_interpreter_matches_float64_and_keeps_row_bits(form, g, n
         got[name] = y
     assert dense.dense_config(5, form).block_m != dense.dense_config(40, form).block_m
     assert np.array_equal(_bits(got["few"][0]), _bits(got["many"][0]))
+    if form == "e4m3":     # x given as E4M3 rows (the model's act_quant_rows): the same rows, the same bits
+        from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows, e4m3_rows
+
+        r = e4m3_rows(x_other.reshape(40 * g, k))
+        rows = E4m3Rows(r.values.reshape(40, g, k), r.scale.reshape(40, g, k // 32))
+        with gpu_interpreter():
+            y = dense.dense_fp8_matmul(rows, p, config=dense.dense_config(40, form, block_k=64, a_from_registers=False))
+        assert np.array_equal(_bits(y), _bits(got["many"]))
+
+
+def test_act_quant_rows_is_the_two_step_form_bit_for_bit():
+    """``act_quant_rows`` (one pass) = ``e4m3_rows(fake_quant_fp8(x))`` (the quantizer, then the kernel
+    rows re-derived from its output): values and scales, for 32- and 128-wide quantizer blocks, over
+    magnitudes from 1e-9 (under the quantizer's amax floor) to 1e4, zero blocks, and blocks whose
+    quantized maximum sits on a binade edge (224, 448), where the re-derived scale halves."""
+    from deepinfer_jax.model.linear import act_quant_rows
+    from deepinfer_jax.model.numerics import fit_block
+    from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        k, block = int(rng.choice([32, 128, 256, 512])), int(rng.choice([32, 128]))
+        x = rng.standard_normal((int(rng.integers(1, 6)), k)) * 10.0 ** rng.uniform(-9, 4)
+        if trial % 3 == 0:
+            x[:, :32] = 0.0
+        if trial % 4 == 0:
+            x[0, :32] = rng.choice([224.0, 448.0, -224.0, 0.0], 32) * 2.0 ** int(rng.integers(-10, 10))
+        x = jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
+        got = jax.jit(act_quant_rows, static_argnums=1)(x, block)
+        want = e4m3_rows(fake_quant_fp8(x, fit_block(k, block)))
+        assert np.array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8)), trial
+        assert np.array_equal(np.asarray(got.scale), np.asarray(want.scale)), trial
 
 
 def _linear_params(n: int, k: int, groups: int = 1, seed: int = 0) -> dict:

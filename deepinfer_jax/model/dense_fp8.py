@@ -96,11 +96,14 @@ def config_for(p: dict, m_rows: int, fp8_operands: str, *, interpret: bool):
     return dense_config(m_rows, fp8_operands)
 
 
-def kernel_matmul(x_mgk: jax.Array, p: dict, impl: str, fp8_operands: str) -> jax.Array:
-    """x [M, G, K] -> float32 [M, G, N] on the kernel (``kernel_impl``'s route)."""
+def kernel_matmul(x_mgk, p: dict, impl: str, fp8_operands: str) -> jax.Array:
+    """x [M, G, K] (or ``E4m3Rows`` of such, for the "e4m3" form) -> float32 [M, G, N] on the kernel
+    (``kernel_impl``'s route)."""
     from pallas_kernels.grouped_gemm.dense import dense_fp8_matmul
+    from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 
-    cfg = config_for(p, x_mgk.shape[0], fp8_operands, interpret=impl == "interpret")
+    m = (x_mgk.values if isinstance(x_mgk, E4m3Rows) else x_mgk).shape[0]
+    cfg = config_for(p, m, fp8_operands, interpret=impl == "interpret")
     if impl != "interpret":
         return dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
     from pallas_kernels.interpret import gpu_interpreter

@@ -87,17 +87,48 @@ def act_quant(x: jax.Array, numerics: Numerics, act_block: int) -> jax.Array:
     return fake_quant_fp8(x, fit_block(x.shape[-1], act_block))
 
 
+def act_quant_rows(x: jax.Array, act_block: int):
+    """``e4m3_rows(act_quant(x))`` (``pallas_kernels.grouped_gemm.fp8_operands``: the activation
+    quantizer's output as E4M3 values with a power-of-two scale per 32 columns, the FP8 kernels' x),
+    bit for bit, in one pass: x [..., K] -> E4m3Rows of [prod(...), K].
+
+    The two-step form reads the quantized rows again for their block maxima (two more kernels a
+    linear on a GPU). Here they come from x's: rounding to E4M3 is monotone in |x|, so a 32-block's
+    largest quantized magnitude is its largest |x| quantized, and e4m3_rows' scale follows from it.
+    For fake_quant on (V4.1's 32-wide and V4's 128-wide blocks, and tiny configs' shorter rows)."""
+    from deepinfer_jax.model.numerics import FP8_MAX, block_amax, fp8_scale, round_to_e4m3
+    from pallas_kernels.grouped_gemm.fp8_operands import SCALE_BLOCK, E4m3Rows, row_scale_exponent
+
+    k = x.shape[-1]
+    block = fit_block(k, act_block)
+    if block % SCALE_BLOCK:
+        raise ValueError(f"E4M3 rows need quantizer blocks of whole {SCALE_BLOCK}-column blocks, got {block}")
+    xb = x.reshape(-1, k // SCALE_BLOCK, SCALE_BLOCK).astype(jnp.float32)
+    amax32 = block_amax(xb)[..., 0]                                           # [R, K/32]
+    per = block // SCALE_BLOCK
+    s = jnp.repeat(fp8_scale(jnp.max(amax32.reshape(xb.shape[0], -1, per), axis=-1)), per, axis=-1)
+    q = round_to_e4m3(jnp.clip(xb / s[..., None], -FP8_MAX, FP8_MAX))        # the quantizer's codes
+    j = row_scale_exponent(round_to_e4m3(jnp.clip(amax32 / s, 0.0, FP8_MAX)) * s)
+    values = (q * (s * jnp.ldexp(jnp.float32(1), -j))[..., None]).astype(jnp.float8_e4m3fn)
+    return E4m3Rows(values.reshape(xb.shape[0], k), jnp.ldexp(jnp.float32(1), j))
+
+
 def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, act_block: int) -> jax.Array:
     """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation.
     A linear held for the dense kernel runs on it where ``dense_fp8.kernel_impl`` says so (its E4M3
     form: the quantized activations enter FP8 wgmmas exactly)."""
-    x = act_quant(x, numerics, act_block)
     lead, k = x.shape[:-1], x.shape[-1]
-    form = "e4m3" if numerics.fake_quant and act_block % 32 == 0 else "bf16"
+    form = "e4m3" if numerics.fake_quant and fit_block(k, act_block) % 32 == 0 else "bf16"
     impl = dense_fp8.kernel_impl(p, numerics, math.prod(lead), form)
     if impl is not None:
-        y = dense_fp8.kernel_matmul(x.reshape(-1, 1, k), p, impl, form)
+        if form == "e4m3":     # the quantizer's codes and scales straight into the kernel's E4M3 rows
+            rows = act_quant_rows(x, act_block)
+            x_m1k = type(rows)(rows.values[:, None], rows.scale[:, None])
+        else:
+            x_m1k = act_quant(x, numerics, act_block).reshape(-1, 1, k)
+        y = dense_fp8.kernel_matmul(x_m1k, p, impl, form)
         return y.reshape(*lead, -1).astype(out_dtype or numerics.dtype)
+    x = act_quant(x, numerics, act_block)
     w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)
     return dense(x.astype(w.dtype), w, numerics, out_dtype or numerics.dtype)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, fit_stages,
                                                 kernel_unsupported_reason, uses_e4m3_rows)
-from pallas_kernels.grouped_gemm.fp8_operands import e4m3_rows
+from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows, e4m3_rows
 from pallas_kernels.grouped_gemm.plan import TilePlan
 from pallas_kernels.grouped_gemm.scales import SCALE_BLOCK, checkpoint_scales, kernel_scales
 
@@ -128,25 +128,39 @@ def unsupported_reason(p: DenseFp8Weights, cfg: GroupedMatmulConfig) -> str | No
     return kernel_unsupported_reason(n, k // p.splits, WeightFormat.FP8, cfg, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def dense_fp8_matmul(x_mgk: jax.Array, p: DenseFp8Weights, *, config: GroupedMatmulConfig) -> jax.Array:
-    """x [M, G, K] bf16 -> float32 [M, G, N]: row m of group g times linear g's weights, float32 sums.
+def _split_rows(a_mgk: jax.Array, splits: int, mp: int) -> jax.Array:
+    """[M, G, C] -> [G*S*Mp, C/S]: piece s of group g's columns for every row, rows padded to Mp."""
+    m, g, c = a_mgk.shape
+    a = a_mgk.reshape(m, g, splits, c // splits).transpose(1, 2, 0, 3)
+    return jnp.pad(a, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * splits * mp, c // splits)
 
-    With ``config.fp8_operands == "e4m3"`` x must be FP8-representable per 32 columns (the model's
-    activation quantizer makes it so): its rows enter the FP8 wgmmas as E4M3 + power-of-two scales,
-    exactly. Otherwise the kernel dequantizes the weights to bf16 and x stays bf16."""
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def dense_fp8_matmul(x_mgk: jax.Array | E4m3Rows, p: DenseFp8Weights, *, config: GroupedMatmulConfig) -> jax.Array:
+    """x [M, G, K] -> float32 [M, G, N]: row m of group g times linear g's weights, float32 sums.
+
+    With ``config.fp8_operands == "e4m3"`` x enters the FP8 wgmmas as E4M3 values with power-of-two
+    scales per 32 columns: pass ``E4m3Rows`` (values [M, G, K], scale [M, G, K/32]; the model's
+    ``linear.act_quant_rows``), or bf16 rows that are FP8-representable per 32 columns (the activation
+    quantizer's output), re-expressed exactly by ``e4m3_rows``. Otherwise the kernel dequantizes the
+    weights to bf16 and x is bf16."""
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles
 
-    m, g, k = x_mgk.shape
+    e4m3 = uses_e4m3_rows(config, WeightFormat.FP8)
+    shape = x_mgk.values.shape if isinstance(x_mgk, E4m3Rows) else x_mgk.shape
+    m, g, k = shape
     if (g, k) != (p.groups, p.shape[2]):
-        raise ValueError(f"x [M, G, K] = {tuple(x_mgk.shape)} does not match the weights' (G, K) = "
+        raise ValueError(f"x [M, G, K] = {tuple(shape)} does not match the weights' (G, K) = "
                          f"{(p.groups, p.shape[2])}")
+    if isinstance(x_mgk, E4m3Rows) and not e4m3:
+        raise ValueError("E4m3Rows x needs a config with fp8_operands='e4m3'")
     s, bm = p.splits, config.block_m
     mp = -(-m // bm) * bm
-    x = x_mgk.astype(jnp.bfloat16).reshape(m, g, s, k // s).transpose(1, 2, 0, 3)      # [G, S, M, K/S]
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * s * mp, k // s)
-    if uses_e4m3_rows(config, WeightFormat.FP8):
-        x = e4m3_rows(x)
+    if isinstance(x_mgk, E4m3Rows):
+        x = E4m3Rows(_split_rows(x_mgk.values, s, mp), _split_rows(x_mgk.scale, s, mp))
+    else:
+        x = _split_rows(x_mgk.astype(jnp.bfloat16), s, mp)
+        x = e4m3_rows(x) if e4m3 else x
     y = grouped_matmul_tiles(static_plan(g * s, mp, bm), x, p.weight, p.scale_kn, out_dtype=jnp.float32,
                              config=config, scales_prepared=True).reshape(g, s, mp, -1)
     acc = y[:, 0]

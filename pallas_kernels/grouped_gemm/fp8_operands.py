@@ -76,13 +76,18 @@ def e4m3_rows(x_rk: jax.Array) -> E4m3Rows:
     if k % SCALE_BLOCK:
         raise ValueError(f"E4M3 kernel rows need K a multiple of {SCALE_BLOCK}, got K={k}")
     xb = x_rk.astype(jnp.float32).reshape(r, k // SCALE_BLOCK, SCALE_BLOCK)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
+    j = row_scale_exponent(jnp.max(jnp.abs(xb), axis=-1))
+    values = (xb * jnp.ldexp(jnp.float32(1), -j)[..., None]).astype(jnp.float8_e4m3fn).reshape(r, k)
+    return E4m3Rows(values, jnp.ldexp(jnp.float32(1), j))
+
+
+def row_scale_exponent(amax: jax.Array) -> jax.Array:
+    """int32: the least j with amax <= 448 * 2^j (0 where amax is 0): ``e4m3_rows``' scale 2^j of a
+    32-column block whose largest |value| is amax. From the exponent bits: exact on every backend."""
     mant, exp = jnp.frexp(amax)          # amax = mant * 2^exp, mant in [0.5, 1)
     # amax <= 448 * 2^j  <=>  mant * 2^(exp - j) <= 0.875 * 2^9
     j = jnp.where(mant <= 0.875, exp - 9, exp - 8)
-    j = jnp.where(amax > 0, j, 0)
-    values = (xb * jnp.ldexp(jnp.float32(1), -j)[..., None]).astype(jnp.float8_e4m3fn).reshape(r, k)
-    return E4m3Rows(values, jnp.ldexp(jnp.float32(1), j))
+    return jnp.where(amax > 0, j, 0)
 
 
 def gather(rows: E4m3Rows, row_src: jax.Array) -> E4m3Rows:
