@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
-from deepinfer_jax.model.linear import act_quant, dense, dequant_fp4, dot_f32, quant_linear
+from deepinfer_jax.model.linear import act_quant, act_quant_rows, dense, dequant_fp4, dot_f32, quant_linear
 from deepinfer_jax.model.numerics import Numerics, kernel_route
 from pallas_kernels.topk.xla import topk_desc
 
@@ -328,11 +328,11 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
                 if "weight_tm" in p_exp[name] else tiny for name in ("w1", "w3", "w2")}
     else:
         cfgs = {name: _tile_config(p_exp[name], m * k, numerics, act_block) for name in ("w1", "w3", "w2")}
-    xq = act_quant(x_md, numerics, act_block).astype(jnp.bfloat16)
     if impl in (PALLAS_MOSAIC_GPU, "interpret") and tiled:
         fmts = {name: _expert_format(p_exp[name]) for name in cfgs}
         if len({c.block_m for c in cfgs.values()}) == 1 and fmts["w1"] == fmts["w3"]:
-            return _routed_experts_tiled(p_exp, xq, gid, w_mk, limit, numerics, act_block, cfgs, fmts, interpret)
+            return _routed_experts_tiled(p_exp, x_md, gid, w_mk, limit, numerics, act_block, cfgs, fmts, interpret)
+    xq = act_quant(x_md, numerics, act_block).astype(jnp.bfloat16)
     x_rows = jnp.repeat(xq, k, axis=0)           # row m*k + r = token m, rank r
 
     def mm(x, name):
@@ -365,10 +365,12 @@ def _interpreted(fn, interpret: bool):
 ROUTED_SWIGLU_PADDING = 1.5   # padded rows / routed rows above which the swiglu runs on routed rows only
 
 
-def _routed_experts_tiled(p_exp: dict, xq_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
+def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
                           numerics: Numerics, act_block: int, cfgs: dict, fmts: dict, interpret: bool) -> jax.Array:
     """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
-    xq_md [M, D] bf16: the quantized token rows; gid [M*k]: routed row m*k + r is token m's rank r.
+    x_md [M, D]: the token rows, before the activation quantizer; gid [M*k]: routed row m*k + r is token
+    m's rank r. Where the kernel takes E4M3 rows, the quantizer makes them in one pass
+    (``linear.act_quant_rows``: bitwise its two-step form).
 
     The per-GEMM op sorts, gathers, transposes and scatters around every GEMM: on the H200 the eager op
     took 0.18 ms more than its kernel at decode 64 x 6 and 0.95 ms more at a 2048-token prefill chunk
@@ -391,8 +393,14 @@ def _routed_experts_tiled(p_exp: dict, xq_md: jax.Array, gid: jax.Array, w_mk: j
     # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)
     e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
     fp4 = {name: f.value == "fp4" for name, f in fmts.items()}
-    plan, x_pk = tile_rows(xq_md, gid, num_groups=num_groups, block_m=cfgs["w1"].block_m, fp4=fp4["w1"],
-                           e4m3=e4m3["w1"], rows_per_source=k)
+    def quantized_rows(h_md, as_e4m3: bool):
+        """The activation quantizer's rows: E4M3 rows in one pass where the kernel takes them."""
+        if as_e4m3 and numerics.fake_quant:
+            return act_quant_rows(h_md, act_block)
+        return act_quant(h_md, numerics, act_block).astype(jnp.bfloat16)
+
+    plan, x_pk = tile_rows(quantized_rows(x_md, e4m3["w1"]), gid, num_groups=num_groups,
+                           block_m=cfgs["w1"].block_m, fp4=fp4["w1"], e4m3=e4m3["w1"], rows_per_source=k)
     g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]
     if g_pn.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
         # Mostly padding (decode: 6,144 padded rows for 384 routed; a 2048-token chunk: 3x): the swiglu
@@ -400,8 +408,7 @@ def _routed_experts_tiled(p_exp: dict, xq_md: jax.Array, gid: jax.Array, w_mk: j
         # element this moves 12 bytes per routed row plus 2 per padded row, instead of 10 per padded
         # row (so from 1.5x padding). Row-local work on the same rows, so the same bits.
         hid_mi = swiglu(untile_rows(g_pn, plan), untile_rows(u_pn, plan), limit) * w_mk.reshape(m * k, 1)
-        hid_mi = act_quant(hid_mi.astype(numerics.dtype), numerics, act_block)
-        x2_pk = gather_kernel_rows(retile(hid_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
+        x2_pk = gather_kernel_rows(retile(quantized_rows(hid_mi.astype(numerics.dtype), e4m3["w2"]), fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
         w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
         hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]

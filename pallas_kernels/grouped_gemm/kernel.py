@@ -533,7 +533,7 @@ def _kernel_operands(x_mk, w, group_ids_m, w_scale, scales_prepared: bool, confi
 # elementwise work between the GEMMs, w2 reads them as its rows (``retile``: bf16, FP4 K order), and
 # only w2's result goes back to the caller's row order. Each row still meets the same kernel and tiles.
 
-def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
+def tile_rows(x_mk: jax.Array | E4m3Rows, group_ids_m: jax.Array, *, num_groups: int, block_m: int,
               fp4: bool, e4m3: bool = False, rows_per_source: int = 1) -> tuple[TilePlan, jax.Array | E4m3Rows]:
     """-> (plan, x_pk [T*block_m, K]): rows sorted by group, padded to whole tiles (zeros), and for FP4
     weights in the kernel's K order; as ``E4m3Rows`` when ``e4m3`` (a config with ``uses_e4m3_rows``).
@@ -542,18 +542,24 @@ def tile_rows(x_mk: jax.Array, group_ids_m: jax.Array, *, num_groups: int, block
     rows_per_source: routed row i reads x row i // rows_per_source, so an MoE passes its token rows
     [M, K] with group_ids_m [M * top_k] (a token's ranks are consecutive) and the K permutation and
     quantizer run once a token instead of once a rank. Same rows, same bits."""
-    if group_ids_m.shape[0] != x_mk.shape[0] * rows_per_source:
-        raise ValueError(f"group_ids_m has {group_ids_m.shape[0]} rows, not x_mk's {x_mk.shape[0]} x "
+    m = (x_mk.values if isinstance(x_mk, E4m3Rows) else x_mk).shape[0]
+    if group_ids_m.shape[0] != m * rows_per_source:
+        raise ValueError(f"group_ids_m has {group_ids_m.shape[0]} rows, not x_mk's {m} x "
                          f"rows_per_source={rows_per_source}")
     t = max_tiles(group_ids_m.shape[0], num_groups, block_m)
     return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4,
                             e4m3=e4m3, rows_per_source=rows_per_source)
 
 
-def retile(h_pk: jax.Array, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m3Rows:
+def retile(h_pk: jax.Array | E4m3Rows, *, fp4: bool, e4m3: bool = False) -> jax.Array | E4m3Rows:
     """Tile-order activations [T*block_m, K] (a previous ``grouped_matmul_tiles``' y, after elementwise
     work) -> the next GEMM's x_pk [T*block_m, K], bf16, in the kernel's K order for FP4 (a permutation
-    inside each row's 32-column blocks); as ``E4m3Rows`` when ``e4m3``."""
+    inside each row's 32-column blocks); as ``E4m3Rows`` when ``e4m3``. Rows already made ``E4m3Rows``
+    (``e4m3`` then required) are only permuted: the permutation stays inside each scale block."""
+    if isinstance(h_pk, E4m3Rows):
+        if not e4m3:
+            raise ValueError("E4m3Rows activations need the E4M3 form (e4m3=True)")
+        return E4m3Rows(to_fp4_k_order(h_pk.values) if fp4 else h_pk.values, h_pk.scale)
     x_pk = h_pk.astype(jnp.bfloat16)
     x_pk = to_fp4_k_order(x_pk) if fp4 else x_pk        # the order the kernel decodes FP4 weights in
     return fp8_operands.e4m3_rows(x_pk) if e4m3 else x_pk
