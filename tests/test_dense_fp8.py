@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from deepinfer_jax.model import dense_fp8
 from deepinfer_jax.model.linear import dequant_fp8, dequantize_dense_fp8, quant_linear
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp8
+from deepinfer_jax.sharding import tree_paths
 from pallas_kernels.grouped_gemm import dense
 
 
@@ -181,12 +182,36 @@ def test_prepared_tiny_model_keeps_its_logits_bits(tiny_params, tiny_cfg, tiny_t
                      for leaf in jax.tree.leaves(prepared, is_leaf=lambda x: isinstance(x, dense.DenseFp8Weights)))
     assert n_prepared >= 4 * tiny_cfg.num_hidden_layers
     assert dense_fp8.is_prepared(prepared["layers"][0]["attn"]["wo_a"])
+    shared = [path for path, _ in tree_paths(prepared) if "shared_experts" in path]
+    assert shared and all("w13" in path and "w1" not in path and "w3" not in path
+                          for path in shared if path[path.index("shared_experts") + 1] != "w2")
     prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
     nq = Numerics.reference()
     want = run_chunks(dequantize_dense_fp8(tiny_params), tiny_cfg, tiny_token_map, prompts, 7, nq)
     for numerics in (nq, dataclasses.replace(nq, dense_kernel="on")):
         got = run_chunks(prepared, tiny_cfg, tiny_token_map, prompts, 7, numerics)
         assert np.array_equal(got, want), numerics.dense_kernel
+
+
+def test_shared_expert_pair_on_one_launch_matches_two_linears():
+    """A shared expert's w1 and w3 held as one linear ("w13"): XLA's route gives two quant_linear
+    calls' bits; the kernel (interpreter) one launch within float32 summation order of them."""
+    from deepinfer_jax.model.linear import quant_linear_pair
+
+    p = {"shared_experts": {"w1": _linear_params(128, 512, seed=3), "w3": _linear_params(128, 512, seed=4),
+                            "w2": _linear_params(512, 128, seed=5)}}
+    prepared = dense_fp8.prepare_dense_fp8(p, cfg=None)["shared_experts"]
+    assert set(prepared) == {"w13", "w2"} and prepared["w13"][dense_fp8.KERNEL_FP8].shape == (1, 256, 512)
+    held = dequantize_dense_fp8(p)["shared_experts"]
+    x = jax.random.normal(jax.random.key(8), (5, 512)).astype(jnp.bfloat16)
+    nq = Numerics.reference()
+    want = [quant_linear(x, held[name], nq, jnp.float32, act_block=32) for name in ("w1", "w3")]
+    got = quant_linear_pair(x, prepared["w13"], nq, jnp.float32, act_block=32)
+    assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(got, want))
+    on = dataclasses.replace(nq, dense_kernel="on", kernels="dense=interpret")
+    got = quant_linear_pair(x, prepared["w13"], on, jnp.float32, act_block=32)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=3e-5 * float(jnp.max(jnp.abs(b))))
 
 
 def test_dense_kernel_modes_per_program():

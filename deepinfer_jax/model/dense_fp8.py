@@ -29,7 +29,8 @@ def _groups_of(path: tuple, cfg) -> int:
 
 def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k: int | None = None) -> dict:
     """params with each dense FP8 linear that the kernel can take held as {"kernel_fp8": DenseFp8Weights}
-    (K split by ``dense.split_for``); the others, and everything else, unchanged. Single-device params
+    (K split by ``dense.split_for``); a shared expert's w1 and w3 as one such linear "w13" (w1's rows,
+    then w3's: ``linear.quant_linear_pair``); the others, and everything else, unchanged. Single-device params
     (no mesh layouts). Call ``linear.dequantize_dense_fp8`` after it for the ones left.
     block_n / block_k: the tile the linears must fit (default the dense form's; smaller only for tests of
     the held layout on tiny models, whose linears the kernel then does not take)."""
@@ -39,19 +40,36 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
     split = jax.jit(dense.split_weights, static_argnums=2)
     tile = dict(block_n=block_n or dense.DENSE_BLOCK_N, block_k=block_k or dense.DENSE_BLOCK_K)
 
+    def fits(node, path, g=1):
+        w = node.get("weight") if isinstance(node, dict) else None
+        if "scale" not in node or w is None or not held_as_bf16(path + ("weight",), w):
+            return None
+        rows, k = w.shape
+        if rows % (g * 32) or node["scale"].shape[0] % g:
+            return None
+        splits = dense.split_for(rows // g, k, groups=g, **tile)
+        return None if dense.unsupported_reason_for(rows // g, k, splits, **tile) else splits
+
     def walk(node, path):
+        if isinstance(node, dict) and path and path[-1] == "shared_experts" and all(
+                fits(node.get(name, {}), path + (name,)) for name in ("w1", "w3")) \
+                and node["w1"]["weight"].shape == node["w3"]["weight"].shape:
+            # w1 and w3 read the same rows: one launch over both ("w13", w1's rows then w3's)
+            w = jnp.concatenate([node["w1"]["weight"], node["w3"]["weight"]])
+            s = jnp.concatenate([node["w1"]["scale"], node["w3"]["scale"]])
+            splits = fits({"weight": w, "scale": s}, path + ("w1",))
+            out = {kk: walk(v, path + (kk,)) for kk, v in node.items() if kk not in ("w1", "w3")}
+            out["w13"] = {KERNEL_FP8: split(w[None], s[None], splits)}
+            return out
         if isinstance(node, dict):
             w = node.get("weight")
             if "scale" in node and w is not None and held_as_bf16(path + ("weight",), w):
                 g = _groups_of(path, cfg)
+                splits = fits(node, path, g)
+                if splits is None:
+                    return node
                 rows, k = w.shape
-                s = node["scale"]
-                if rows % (g * 32) or s.shape[0] % g:
-                    return node
-                n = rows // g
-                splits = dense.split_for(n, k, groups=g, **tile)
-                if dense.unsupported_reason_for(n, k, splits, **tile):
-                    return node
+                n, s = rows // g, node["scale"]
                 out = {kk: v for kk, v in node.items() if kk not in ("weight", "scale")}
                 out[KERNEL_FP8] = split(w.reshape(g, n, k), s.reshape(g, s.shape[0] // g, s.shape[1]), splits)
                 return out

@@ -133,6 +133,20 @@ def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, a
     return dense(x.astype(w.dtype), w, numerics, out_dtype or numerics.dtype)
 
 
+def quant_linear_pair(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *,
+                      act_block: int) -> tuple[jax.Array, jax.Array]:
+    """Two FP8 linears of the same shape on the same rows, held as one [2N, K] (``dense_fp8``'s "w13")
+    -> (x W_a^T, x W_b^T). On the dense kernel one launch; on XLA's route two dots on the halves of the
+    weight, so the bits are those of two ``quant_linear`` calls."""
+    if dense_fp8.kernel_impl(p, numerics, math.prod(x.shape[:-1]), "e4m3") is not None:
+        y = quant_linear(x, p, numerics, out_dtype, act_block=act_block)
+        return jnp.split(y, 2, axis=-1)
+    xq = act_quant(x, numerics, act_block)
+    w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)
+    return tuple(dense(xq.astype(w.dtype), half, numerics, out_dtype or numerics.dtype)
+                 for half in jnp.split(w, 2, axis=0))
+
+
 def plain_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, compute_dtype=None) -> jax.Array:
     """A BF16-weight linear (no activation quantization); compute_dtype=float32 promotes like the reference."""
     cd = compute_dtype or numerics.dtype

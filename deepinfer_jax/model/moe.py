@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
-from deepinfer_jax.model.linear import act_quant, act_quant_rows, dense, dequant_fp4, dot_f32, quant_linear
+from deepinfer_jax.model.linear import (act_quant, act_quant_rows, dense, dequant_fp4, dot_f32, quant_linear,
+                                         quant_linear_pair)
 from deepinfer_jax.model.numerics import Numerics, kernel_route
 from pallas_kernels.topk.xla import topk_desc
 
@@ -444,8 +445,11 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
 
 
 def shared_expert(p: dict, x_md: jax.Array, limit: float | None, numerics: Numerics, act_block: int) -> jax.Array:
-    g = quant_linear(x_md, p["w1"], numerics, jnp.float32, act_block=act_block)
-    u = quant_linear(x_md, p["w3"], numerics, jnp.float32, act_block=act_block)
+    if "w13" in p:    # w1 and w3 held as one linear for the dense kernel (dense_fp8.prepare_dense_fp8)
+        g, u = quant_linear_pair(x_md, p["w13"], numerics, jnp.float32, act_block=act_block)
+    else:
+        g = quant_linear(x_md, p["w1"], numerics, jnp.float32, act_block=act_block)
+        u = quant_linear(x_md, p["w3"], numerics, jnp.float32, act_block=act_block)
     hid = swiglu(g, u, limit).astype(numerics.dtype)
     return quant_linear(hid, p["w2"], numerics, jnp.float32, act_block=act_block)
 
