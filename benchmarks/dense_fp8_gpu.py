@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16", help="K splits to try (those that divide K into 128s)")
     ap.add_argument("--shapes", default=None, help="comma-separated names from SHAPES (default: all)")
     ap.add_argument("--operands", default="bf16,e4m3", help="the kernel's fp8_operands forms to time")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="time only the model's own split and tile per shape (and XLA): a short call")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     args = ap.parse_args(argv)
     shapes, configs, interp = SHAPES, CONFIGS, None
@@ -133,12 +135,14 @@ def main(argv=None) -> int:
             eng = dense.dense_config(tokens, "e4m3")
             eng_tile = (eng.block_m, eng.block_n, eng.block_k, eng.stages, eng.persistent)
             eng_splits = dense.split_for(n, k, groups=g)
-            for splits in sorted(set(splits_asked) | ({eng_splits} if interp is None else set())):
+            split_set = {eng_splits} if args.engine_only else set(splits_asked)
+            for splits in sorted(split_set | ({eng_splits} if interp is None else set())):
                 if k % (splits * 64) or (k % (splits * 128) and not args.tiny):
                     continue
                 p_split = jax.jit(dense.split_weights, static_argnums=2)(w8, s8, splits)
                 tiles = configs + ((eng_tile,) if splits == eng_splits and eng_tile not in configs and interp is None
                                    else ())
+                tiles = (eng_tile,) if args.engine_only else tiles
                 for (bm, bn, bk, st, pers), form in ((c, f) for c in tiles for f in args.operands.split(",")):
                     cfg = fit_stages(GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, stages=st,
                                                          persistent=pers, a_from_registers=interp is None,
