@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.model.numerics import Numerics, kernel_route
+from pallas_kernels.grouped_gemm import dense
+from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
+from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
 KERNEL_FP8 = "kernel_fp8"
 
@@ -34,8 +37,7 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
     (no mesh layouts). Call ``linear.dequantize_dense_fp8`` after it for the ones left.
     block_n / block_k: the tile the linears must fit (default the dense form's; smaller only for tests of
     the held layout on tiny models, whose linears the kernel then does not take)."""
-    from deepinfer_jax.model.linear import held_as_bf16
-    from pallas_kernels.grouped_gemm import dense
+    from deepinfer_jax.model.linear import held_as_bf16   # (linear imports this module)
 
     split = jax.jit(dense.split_weights, static_argnums=2)
     tile = dict(block_n=block_n or dense.DENSE_BLOCK_N, block_k=block_k or dense.DENSE_BLOCK_K)
@@ -83,48 +85,37 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
 
 def held_weight(p: dict, dtype) -> jax.Array:
     """The exact dequantized 2-D weight [G*N, K] of a prepared linear (the checkpoint's shape)."""
-    from pallas_kernels.grouped_gemm.dense import dequantized
-
     g, n, k = p[KERNEL_FP8].shape
-    return dequantized(p[KERNEL_FP8], dtype).reshape(g * n, k)
+    return dense.dequantized(p[KERNEL_FP8], dtype).reshape(g * n, k)
 
 
 def kernel_impl(p: dict, numerics: Numerics, m_rows: int, fp8_operands: str) -> str | None:
     """The kernel route for this prepared linear at m_rows rows: "pallas_mosaic_gpu", "interpret", or
     None (XLA's dot on ``held_weight``). Static: platform, numerics and shapes only."""
-    from pallas_kernels.registry import PALLAS_MOSAIC_GPU
-
     if not is_prepared(p) or numerics.dense_kernel != "on" or numerics.dtype != jnp.bfloat16:
         return None
-    cfg = config_for(p, m_rows, fp8_operands, interpret=numerics.kernel_mode("dense") == "interpret")
-    from pallas_kernels.grouped_gemm.dense import unsupported_reason
-
-    route, impl = kernel_route(numerics, "dense", "grouped_matmul", unsupported_reason(p[KERNEL_FP8], cfg))
+    cfg = config_for(m_rows, fp8_operands, interpret=numerics.kernel_mode("dense") == "interpret")
+    route, impl = kernel_route(numerics, "dense", "grouped_matmul", dense.unsupported_reason(p[KERNEL_FP8], cfg))
     return impl if route == "op" and impl in (PALLAS_MOSAIC_GPU, "interpret") else None
 
 
-def config_for(p: dict, m_rows: int, fp8_operands: str, *, interpret: bool):
+def config_for(m_rows: int, fp8_operands: str, *, interpret: bool):
     """The kernel config of a prepared linear at m_rows rows (the interpreter: 64-wide K steps and the
     dequantized tile staged in shared memory, the form it can run; the same K order and so the same
     bits)."""
-    from pallas_kernels.grouped_gemm.dense import dense_config
-
     if interpret:
-        return dense_config(m_rows, fp8_operands, block_k=64, a_from_registers=False)
-    return dense_config(m_rows, fp8_operands)
+        return dense.dense_config(m_rows, fp8_operands, block_k=64, a_from_registers=False)
+    return dense.dense_config(m_rows, fp8_operands)
 
 
 def kernel_matmul(x_mgk, p: dict, impl: str, fp8_operands: str) -> jax.Array:
     """x [M, G, K] (or ``E4m3Rows`` of such, for the "e4m3" form) -> float32 [M, G, N] on the kernel
     (``kernel_impl``'s route)."""
-    from pallas_kernels.grouped_gemm.dense import dense_fp8_matmul
-    from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
-
     m = (x_mgk.values if isinstance(x_mgk, E4m3Rows) else x_mgk).shape[0]
-    cfg = config_for(p, m, fp8_operands, interpret=impl == "interpret")
+    cfg = config_for(m, fp8_operands, interpret=impl == "interpret")
     if impl != "interpret":
-        return dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
+        return dense.dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
     from pallas_kernels.interpret import gpu_interpreter
 
     with gpu_interpreter():
-        return dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
+        return dense.dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
