@@ -91,7 +91,9 @@ class Numerics:
     # bf16 copies: "off" (XLA's dots everywhere), "on", or "decode" (the engine's decode programs only:
     # at decode these GEMMs are bound by their weight reads, at prefill by their FLOPs, where XLA's
     # dots stay). Needs weights held by ``linear.prepare_dense_fp8`` and the kernel where the program
-    # runs (``kernels`` op "dense"); anything else keeps XLA's dots, with the same bits as "off".
+    # runs (``kernels`` op "dense"); anything else keeps XLA's dots, with the same bits as "off". The
+    # engine prepares the weights on a single device only: on a mesh the linears keep XLA's dots (as the
+    # routed experts keep their local XLA path there).
     # The kernel sums in another order than XLA's dot (the products are the same), so a token's bits
     # depend on the program kind, as with ``expert_operands``, never on the batch.
     dense_kernel: str = "off"
