@@ -9,7 +9,8 @@ it back (the chunk-8192 trace: wq_b's [8192, 32768] float32 written, then ``wrap
 ~25-30 ms a 12-layer chunk in all; NOTES item -24(3)(e)). A bf16-output dot rounds once inside the GEMM's
 epilogue. It is only the same model if the GEMM still accumulates in float32 and rounds once: then every
 value is bitwise the float32 dot's, rounded. This script checks exactly that on the GPU at V4.1-Flash's
-dense shapes (decode and prefill rows), and times both forms. Results: $OUT/bf16_out_dot_gpu.json.
+dense shapes (decode and prefill rows), and times both forms; it exits 1 if any value differs.
+Results: $OUT/bf16_out_dot_gpu.json.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         {"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, indent=1))
     total = sum(r["values_differ"] for r in rows)
     print(f"all shapes: {total} values differ; bitwise the same: {total == 0}")
-    return 0
+    return 0 if total == 0 else 1
 
 
 if __name__ == "__main__":

@@ -70,3 +70,19 @@ def test_timeline_names_no_site_for_another_programs_kernel():
     assert _site_of("input_reduce_fusion_14", sites) == "layer11/moe/routed/reduce_max"
     assert _site_of("input_reduce_fusion_14 @jit_top_p_keep", sites) == ""
     assert _site_of("loop_select_fusion_3", sites) == "layer0/moe/take"      # a suffixed launch name
+
+
+def test_bf16_out_dot_script_checks_bits_on_the_cpu(tmp_path):
+    """``bf16_out_dot_gpu.py --tiny``: XLA:CPU's bf16-output dot is bitwise its float32 dot + convert
+    (checked there in session 24 at larger shapes), so the script's own check finds 0 differing values
+    and writes a row per shape and row count."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    import bf16_out_dot_gpu
+
+    assert bf16_out_dot_gpu.main(["--tiny", "--tokens", "8,40", "--reps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bf16_out_dot_gpu.json").read_text())["rows"]
+    assert len(rows) == 4 and {r["tokens"] for r in rows} == {8, 40}
+    assert all(r["values_differ"] == 0 for r in rows), rows

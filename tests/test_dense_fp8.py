@@ -50,9 +50,11 @@ def test_split_layout_gives_back_the_exact_weights(g, n, k, splits):
 
 
 def test_split_rule_depends_on_the_shape_only():
-    """Enough (N tile, piece) work items for an H200's 132 SMs, whole 128-column steps per piece."""
+    """At least MIN_ITEMS (N tile, piece) work items, whole 128-column steps per piece."""
+    assert dense.MIN_ITEMS == 72
     assert dense.split_for(32768, 1280) == 1               # wq_b: 256 N tiles already
-    assert dense.split_for(5120, 8192) == 4                # wo_b: 40 N tiles
+    assert dense.split_for(5120, 8192) == 2                # wo_b: 40 N tiles
+    assert dense.split_for(4608, 5120) == 2                # the shared w13: 36 N tiles
     assert dense.split_for(1024, 4096, groups=8) == 2      # wo_a: 8 linears of 8 N tiles
     assert dense.split_for(512, 5120) == 8                 # wkv: 4 N tiles; 5120 = 8 x 640 (5 steps)
     assert dense.split_for(5120, 2304) == 2                # shared w2: 4 pieces of 576 are no whole steps
@@ -127,9 +129,12 @@ def _linear_params(n: int, k: int, groups: int = 1, seed: int = 0) -> dict:
     return {"weight": w.reshape(groups * n, k), "scale": s.reshape(groups * n // 32, k // 32)}
 
 
-def test_quant_linear_kernel_route_matches_the_xla_route():
+@pytest.mark.parametrize("form", ["bf16", "e4m3"])
+def test_quant_linear_kernel_route_matches_the_xla_route(form, monkeypatch):
     """quant_linear on prepared weights: with dense_kernel off (or the kernel not here) bitwise the held-
-    bf16 path; on the kernel in the interpreter (E4M3 form) within float32 summation order of it."""
+    bf16 path; on the kernel in the interpreter, in either operand form (``DENSE_OPERANDS``; E4M3 rows
+    from ``act_quant_rows``), within float32 summation order of it."""
+    monkeypatch.setattr(dense_fp8, "DENSE_OPERANDS", form)
     p = {"lin": _linear_params(256, 512)}
     prepared = dense_fp8.prepare_dense_fp8(p, cfg=None)
     assert dense_fp8.is_prepared(prepared["lin"]) and prepared["lin"][dense_fp8.KERNEL_FP8].splits == 4
@@ -141,7 +146,7 @@ def test_quant_linear_kernel_route_matches_the_xla_route():
         got = quant_linear(x, prepared["lin"], numerics, jnp.float32, act_block=32)
         assert np.array_equal(_bits(got), _bits(want)), numerics.dense_kernel
     on = dataclasses.replace(nq, dense_kernel="on", kernels="dense=interpret")
-    assert dense_fp8.kernel_impl(prepared["lin"], on, 6, "e4m3") == "interpret"
+    assert dense_fp8.kernel_impl(prepared["lin"], on, 6, form) == "interpret"
     got = quant_linear(x, prepared["lin"], on, jnp.float32, act_block=32)
     assert got.shape == want.shape
     # both: exact products summed in float32 over K = 512 (the XLA dot's order vs 4 pieces of 128 + 3 adds)

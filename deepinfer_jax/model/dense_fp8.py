@@ -19,6 +19,12 @@ from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
 KERNEL_FP8 = "kernel_fp8"
+# The kernel's operand form for the FP8-quantized dense linears. "bf16" (weights dequantized in
+# registers): on an H100 (session 25, ``dense_fp8_gpu.py --engine-only``, 64 rows) faster than the E4M3
+# form at every V4.1 dense shape, e.g. wo_b 0.0358 vs 0.0411 ms, the shared w13 0.0244 vs 0.0286, wq_b
+# 0.0300 vs 0.0350: the E4M3 form's 64-row tiles spill registers (benchmarks/NOTES.md item -22).
+# "e4m3" (the quantizer's codes straight into FP8 wgmmas, ``linear.act_quant_rows``) stays selectable.
+DENSE_OPERANDS = "bf16"
 
 
 def is_prepared(p: dict) -> bool:

@@ -115,10 +115,11 @@ def act_quant_rows(x: jax.Array, act_block: int):
 
 def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, act_block: int) -> jax.Array:
     """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation.
-    A linear held for the dense kernel runs on it where ``dense_fp8.kernel_impl`` says so (its E4M3
-    form: the quantized activations enter FP8 wgmmas exactly)."""
+    A linear held for the dense kernel runs on it where ``dense_fp8.kernel_impl`` says so, in the
+    operand form ``dense_fp8.DENSE_OPERANDS`` names."""
     lead, k = x.shape[:-1], x.shape[-1]
-    form = "e4m3" if numerics.fake_quant and fit_block(k, act_block) % 32 == 0 else "bf16"
+    form = "e4m3" if dense_fp8.DENSE_OPERANDS == "e4m3" and numerics.fake_quant and fit_block(k, act_block) % 32 == 0 \
+        else "bf16"
     impl = dense_fp8.kernel_impl(p, numerics, math.prod(lead), form)
     if impl is not None:
         if form == "e4m3":     # the quantizer's codes and scales straight into the kernel's E4M3 rows
@@ -138,7 +139,7 @@ def quant_linear_pair(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None,
     """Two FP8 linears of the same shape on the same rows, held as one [2N, K] (``dense_fp8``'s "w13")
     -> (x W_a^T, x W_b^T). On the dense kernel one launch; on XLA's route two dots on the halves of the
     weight, so the bits are those of two ``quant_linear`` calls."""
-    if dense_fp8.kernel_impl(p, numerics, math.prod(x.shape[:-1]), "e4m3") is not None:
+    if dense_fp8.kernel_impl(p, numerics, math.prod(x.shape[:-1]), dense_fp8.DENSE_OPERANDS) is not None:
         y = quant_linear(x, p, numerics, out_dtype, act_block=act_block)
         return jnp.split(y, 2, axis=-1)
     xq = act_quant(x, numerics, act_block)

@@ -33,8 +33,11 @@ from pallas_kernels.grouped_gemm.scales import SCALE_BLOCK, checkpoint_scales, k
 # Weight-tile rows and K steps of the dense form (the kernel's 64 x 128 x 128 decode tile).
 DENSE_BLOCK_N = 128
 DENSE_BLOCK_K = 128
-# Aim for at least this many (N tile, split) work items: an H200 has 132 SMs.
-MIN_ITEMS = 128
+# Split K until there are at least this many (N tile, piece) work items. On an H100 (132 SMs; session 25,
+# results/dense_fp8_gpu_h100_sweep_2026-12-06_s25.json, 64 rows, 64 x 128 tiles, bf16 form) 72-80 items
+# beat 144-160: wo_b 0.0308 ms at 2 pieces (80 items) against 0.0355 at 4, the shared w13 0.0209 at 2
+# (72) against 0.0240 at 4; session 20's run had wo_a best at 2 (128 items; 64 at 1 was slower).
+MIN_ITEMS = 72
 
 
 @jax.tree_util.register_dataclass
