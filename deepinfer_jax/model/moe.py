@@ -394,6 +394,7 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
     # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)
     e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
     fp4 = {name: f.value == "fp4" for name, f in fmts.items()}
+
     def quantized_rows(h_md, as_e4m3: bool):
         """The activation quantizer's rows: E4M3 rows in one pass where the kernel takes them."""
         if as_e4m3 and numerics.fake_quant:
@@ -409,7 +410,8 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         # element this moves 12 bytes per routed row plus 2 per padded row, instead of 10 per padded
         # row (so from 1.5x padding). Row-local work on the same rows, so the same bits.
         hid_mi = swiglu(untile_rows(g_pn, plan), untile_rows(u_pn, plan), limit) * w_mk.reshape(m * k, 1)
-        x2_pk = gather_kernel_rows(retile(quantized_rows(hid_mi.astype(numerics.dtype), e4m3["w2"]), fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
+        x2_mi = quantized_rows(hid_mi.astype(numerics.dtype), e4m3["w2"])
+        x2_pk = gather_kernel_rows(retile(x2_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
         w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
         hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]

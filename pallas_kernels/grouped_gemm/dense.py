@@ -13,6 +13,11 @@ Weights are split once, at load (``split_weights``): [G, N, K] E4M3 + [G, N/32, 
 ``DenseFp8Weights`` (weights [G*S, N, K/S], kernel-layout scales [G*S, K/(32S), N]). ``dequantized``
 gives back the exact bf16 weight [G, N, K] for the XLA path, which then computes bit for bit what it
 computed from the checkpoint's tensors.
+
+Measured (H100, 64 rows, ``benchmarks/dense_fp8_gpu.py``; benchmarks/NOTES.md item -25): the kernel
+reads FP8 at 0.85-2.0 TB/s here, 1.05-1.35x XLA's bf16 dots on V4.1's large linears and slower on the
+small ones, and the 4-layer decode step gained nothing, so the model keeps it off by default
+(``Numerics.dense_kernel``).
 """
 
 from __future__ import annotations
