@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from deepinfer_jax.model.numerics import Numerics, kernel_route
 from pallas_kernels.grouped_gemm import dense
-from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
 KERNEL_FP8 = "kernel_fp8"
@@ -43,50 +42,43 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
     (no mesh layouts). Call ``linear.dequantize_dense_fp8`` after it for the ones left.
     block_n / block_k: the tile the linears must fit (default the dense form's; smaller only for tests of
     the held layout on tiny models, whose linears the kernel then does not take)."""
-    from deepinfer_jax.model.linear import held_as_bf16   # (linear imports this module)
+    from deepinfer_jax.model.linear import is_dense_fp8_linear, rewrite_nodes   # (linear imports this module)
 
     split = jax.jit(dense.split_weights, static_argnums=2)
     tile = dict(block_n=block_n or dense.DENSE_BLOCK_N, block_k=block_k or dense.DENSE_BLOCK_K)
 
-    def fits(node, path, g=1):
-        w = node.get("weight") if isinstance(node, dict) else None
-        if "scale" not in node or w is None or not held_as_bf16(path + ("weight",), w):
+    def splits_for(node, path, g=1):
+        """The K split of a dense FP8 linear of g stacked linears, or None where the tiles do not fit."""
+        if not isinstance(node, dict) or not is_dense_fp8_linear(node, path):
             return None
-        rows, k = w.shape
+        rows, k = node["weight"].shape
         if rows % (g * 32) or node["scale"].shape[0] % g:
             return None
         splits = dense.split_for(rows // g, k, groups=g, **tile)
         return None if dense.unsupported_reason_for(rows // g, k, splits, **tile) else splits
 
-    def walk(node, path):
-        if isinstance(node, dict) and path and path[-1] == "shared_experts" and all(
-                fits(node.get(name, {}), path + (name,)) for name in ("w1", "w3")) \
+    def held(node, path):
+        if path and path[-1] == "shared_experts" and all(splits_for(node.get(name), path + (name,))
+                                                         for name in ("w1", "w3")) \
                 and node["w1"]["weight"].shape == node["w3"]["weight"].shape:
             # w1 and w3 read the same rows: one launch over both ("w13", w1's rows then w3's)
             w = jnp.concatenate([node["w1"]["weight"], node["w3"]["weight"]])
             s = jnp.concatenate([node["w1"]["scale"], node["w3"]["scale"]])
-            splits = fits({"weight": w, "scale": s}, path + ("w1",))
-            out = {kk: walk(v, path + (kk,)) for kk, v in node.items() if kk not in ("w1", "w3")}
+            splits = splits_for({"weight": w, "scale": s}, path + ("w1",))
+            out = {kk: rewrite_nodes(v, held, path + (kk,)) for kk, v in node.items() if kk not in ("w1", "w3")}
             out["w13"] = {KERNEL_FP8: split(w[None], s[None], splits)}
             return out
-        if isinstance(node, dict):
-            w = node.get("weight")
-            if "scale" in node and w is not None and held_as_bf16(path + ("weight",), w):
-                g = _groups_of(path, cfg)
-                splits = fits(node, path, g)
-                if splits is None:
-                    return node
-                rows, k = w.shape
-                n, s = rows // g, node["scale"]
-                out = {kk: v for kk, v in node.items() if kk not in ("weight", "scale")}
-                out[KERNEL_FP8] = split(w.reshape(g, n, k), s.reshape(g, s.shape[0] // g, s.shape[1]), splits)
-                return out
-            return {kk: walk(v, path + (kk,)) for kk, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
-        return node
+        g = _groups_of(path, cfg)
+        splits = splits_for(node, path, g)
+        if splits is None:
+            return None
+        w, s = node["weight"], node["scale"]
+        rows, k = w.shape
+        out = {kk: v for kk, v in node.items() if kk not in ("weight", "scale")}
+        out[KERNEL_FP8] = split(w.reshape(g, rows // g, k), s.reshape(g, s.shape[0] // g, s.shape[1]), splits)
+        return out
 
-    return walk(params, ())
+    return rewrite_nodes(params, held)
 
 
 def held_weight(p: dict, dtype) -> jax.Array:
@@ -117,8 +109,7 @@ def config_for(m_rows: int, fp8_operands: str, *, interpret: bool):
 def kernel_matmul(x_mgk, p: dict, impl: str, fp8_operands: str) -> jax.Array:
     """x [M, G, K] (or ``E4m3Rows`` of such, for the "e4m3" form) -> float32 [M, G, N] on the kernel
     (``kernel_impl``'s route)."""
-    m = (x_mgk.values if isinstance(x_mgk, E4m3Rows) else x_mgk).shape[0]
-    cfg = config_for(m, fp8_operands, interpret=impl == "interpret")
+    cfg = config_for(x_mgk.shape[0], fp8_operands, interpret=impl == "interpret")
     if impl != "interpret":
         return dense.dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
     from pallas_kernels.interpret import gpu_interpreter

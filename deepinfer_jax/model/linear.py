@@ -113,13 +113,19 @@ def act_quant_rows(x: jax.Array, act_block: int):
     return E4m3Rows(values.reshape(xb.shape[0], k), jnp.ldexp(jnp.float32(1), j))
 
 
+def _dense_operands(numerics: Numerics, k: int, act_block: int) -> str:
+    """The dense kernel's operand form for a quantized linear of K inputs: ``dense_fp8.DENSE_OPERANDS``,
+    except that E4M3 needs the quantizer's FP8 values on whole 32-column blocks (else bf16)."""
+    e4m3 = dense_fp8.DENSE_OPERANDS == "e4m3" and numerics.fake_quant and fit_block(k, act_block) % 32 == 0
+    return "e4m3" if e4m3 else "bf16"
+
+
 def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, act_block: int) -> jax.Array:
     """An FP8/FP4-weight linear as the reference runs it: FP8 1 x act_block activations, fp32 accumulation.
     A linear held for the dense kernel runs on it where ``dense_fp8.kernel_impl`` says so, in the
     operand form ``dense_fp8.DENSE_OPERANDS`` names."""
     lead, k = x.shape[:-1], x.shape[-1]
-    form = "e4m3" if dense_fp8.DENSE_OPERANDS == "e4m3" and numerics.fake_quant and fit_block(k, act_block) % 32 == 0 \
-        else "bf16"
+    form = _dense_operands(numerics, k, act_block)
     impl = dense_fp8.kernel_impl(p, numerics, math.prod(lead), form)
     if impl is not None:
         if form == "e4m3":     # the quantizer's codes and scales straight into the kernel's E4M3 rows
@@ -139,7 +145,8 @@ def quant_linear_pair(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None,
     """Two FP8 linears of the same shape on the same rows, held as one [2N, K] (``dense_fp8``'s "w13")
     -> (x W_a^T, x W_b^T). On the dense kernel one launch; on XLA's route two dots on the halves of the
     weight, so the bits are those of two ``quant_linear`` calls."""
-    if dense_fp8.kernel_impl(p, numerics, math.prod(x.shape[:-1]), dense_fp8.DENSE_OPERANDS) is not None:
+    form = _dense_operands(numerics, x.shape[-1], act_block)
+    if dense_fp8.kernel_impl(p, numerics, math.prod(x.shape[:-1]), form) is not None:
         y = quant_linear(x, p, numerics, out_dtype, act_block=act_block)
         return jnp.split(y, 2, axis=-1)
     xq = act_quant(x, numerics, act_block)
@@ -166,6 +173,27 @@ def held_as_bf16(path: tuple, leaf) -> bool:
 _dequant_bf16 = jax.jit(lambda p: weight_of(p, jnp.bfloat16))
 
 
+def is_dense_fp8_linear(node: dict, path: tuple) -> bool:
+    """Whether the dict ``node`` at ``path`` is a dense FP8 linear with its scale (``held_as_bf16``)."""
+    w = node.get("weight")
+    return "scale" in node and w is not None and held_as_bf16(path + ("weight",), w)
+
+
+def rewrite_nodes(node, fn, path: tuple = ()):
+    """``node`` (a params tree) with ``fn(sub, path)`` in place of each dict sub-node for which it returns
+    a replacement (not None); other dicts, lists and tuples are rebuilt around their rewritten children.
+    The load-time rewrites of the dense FP8 linears (``dequantize_dense_fp8``,
+    ``dense_fp8.prepare_dense_fp8``) walk the params with it."""
+    if isinstance(node, dict):
+        new = fn(node, path)
+        if new is not None:
+            return new
+        return {k: rewrite_nodes(v, fn, path + (k,)) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(rewrite_nodes(v, fn, path + (i,)) for i, v in enumerate(node))
+    return node
+
+
 def dequantize_dense_fp8(params: dict) -> dict:
     """The params with every dense FP8 linear (outside the routed experts) stored as its bf16 dequantized
     weight, no scale: what ``quant_linear`` builds from the FP8 weight inside every step, made once.
@@ -175,18 +203,14 @@ def dequantize_dense_fp8(params: dict) -> dict:
     B=64, the step's per-layer FP8 -> bf16 converts took ~2.8 ms of a 37.6 ms step (benchmarks/NOTES.md).
     Which weights: ``held_as_bf16``."""
 
-    def walk(node, path):
-        if isinstance(node, dict):
-            w = node.get("weight")
-            if "scale" in node and w is not None and held_as_bf16(path + ("weight",), w):
-                out = {k: v for k, v in node.items() if k != "scale"}
-                sharding = getattr(w, "sharding", None)
-                w = _dequant_bf16({"weight": w, "scale": node["scale"]})
-                out["weight"] = w if sharding is None else jax.device_put(w, sharding)
-                return out
-            return {k: walk(v, path + (k,)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
-        return node
+    def held(node, path):
+        if not is_dense_fp8_linear(node, path):
+            return None
+        out = {k: v for k, v in node.items() if k != "scale"}
+        w = node["weight"]
+        sharding = getattr(w, "sharding", None)
+        w = _dequant_bf16({"weight": w, "scale": node["scale"]})
+        out["weight"] = w if sharding is None else jax.device_put(w, sharding)
+        return out
 
-    return walk(params, ())
+    return rewrite_nodes(params, held)

@@ -155,10 +155,9 @@ def dense_fp8_matmul(x_mgk: jax.Array | E4m3Rows, p: DenseFp8Weights, *, config:
     from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles
 
     e4m3 = uses_e4m3_rows(config, WeightFormat.FP8)
-    shape = x_mgk.values.shape if isinstance(x_mgk, E4m3Rows) else x_mgk.shape
-    m, g, k = shape
+    m, g, k = x_mgk.shape
     if (g, k) != (p.groups, p.shape[2]):
-        raise ValueError(f"x [M, G, K] = {tuple(shape)} does not match the weights' (G, K) = "
+        raise ValueError(f"x [M, G, K] = {tuple(x_mgk.shape)} does not match the weights' (G, K) = "
                          f"{(p.groups, p.shape[2])}")
     if isinstance(x_mgk, E4m3Rows) and not e4m3:
         raise ValueError("E4m3Rows x needs a config with fp8_operands='e4m3'")

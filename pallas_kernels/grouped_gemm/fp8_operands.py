@@ -63,6 +63,11 @@ class E4m3Rows(NamedTuple):
     values: jax.Array
     scale: jax.Array
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The values' shape: rows and columns, as a bf16 row array's."""
+        return self.values.shape
+
 
 def e4m3_rows(x_rk: jax.Array) -> E4m3Rows:
     """bf16/f32 rows [R, K] -> ``E4m3Rows`` with the smallest power-of-two scale per 32 columns that

@@ -542,9 +542,8 @@ def tile_rows(x_mk: jax.Array | E4m3Rows, group_ids_m: jax.Array, *, num_groups:
     rows_per_source: routed row i reads x row i // rows_per_source, so an MoE passes its token rows
     [M, K] with group_ids_m [M * top_k] (a token's ranks are consecutive) and the K permutation and
     quantizer run once a token instead of once a rank. Same rows, same bits."""
-    m = (x_mk.values if isinstance(x_mk, E4m3Rows) else x_mk).shape[0]
-    if group_ids_m.shape[0] != m * rows_per_source:
-        raise ValueError(f"group_ids_m has {group_ids_m.shape[0]} rows, not x_mk's {m} x "
+    if group_ids_m.shape[0] != x_mk.shape[0] * rows_per_source:
+        raise ValueError(f"group_ids_m has {group_ids_m.shape[0]} rows, not x_mk's {x_mk.shape[0]} x "
                          f"rows_per_source={rows_per_source}")
     t = max_tiles(group_ids_m.shape[0], num_groups, block_m)
     return _plan_and_gather(x_mk, group_ids_m, num_groups=num_groups, block_m=block_m, num_tiles=t, fp4=fp4,
@@ -583,13 +582,13 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
     config.block_m must be the plan's; x_pk is ``E4m3Rows`` exactly when the config ``uses_e4m3_rows``.
     With ``config.out_rows=False`` the kernel's y^T is transposed here (for timing that kernel form
     only: the model runs the default), as for bf16 outputs."""
-    rows = x_pk.values if isinstance(x_pk, E4m3Rows) else x_pk
-    if rows.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
-        raise ValueError(f"x_pk has {rows.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
+    # (E4m3Rows have the shape of their values)
+    if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
+        raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
                          f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
     # (the group ids are the plan's: only their shape and dtype are checked)
-    x_struct = jax.ShapeDtypeStruct(rows.shape, jnp.bfloat16)
-    fmt, _, _, s_kernel = _kernel_operands(x_struct, w, jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32), w_scale,
+    x_struct = jax.ShapeDtypeStruct(x_pk.shape, jnp.bfloat16)
+    fmt, _, _, s_kernel = _kernel_operands(x_struct, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale,
                                            scales_prepared, config, out_dtype, "grouped_matmul_tiles")
     if isinstance(x_pk, E4m3Rows) != uses_e4m3_rows(config, fmt):
         raise ValueError(f"x_pk is {'E4m3Rows' if isinstance(x_pk, E4m3Rows) else 'bf16 rows'} but the config "
