@@ -56,6 +56,16 @@ class SparseAttentionConfig:
     #: GEMM's decoder); "arith" is the earlier float polynomial (~16 ops), kept for timing both. The
     #: same bf16 values either way, so the same bits.
     fp4_dequant: str = "bits"
+    #: Diagnostic only (GPU only; the same numerics): with both set, Mosaic GPU's in-kernel profiler
+    #: records every named phase of the kernel (``jax.named_scope`` in kernel.py: "c_wait", "c_qk", ...,
+    #: "p_issue") as begin/end events, one thread per warpgroup, and the first call of each compile
+    #: writes a Chrome trace ``<kernel>-<ns>-trace.json`` into ``profile_dir`` (Mosaic names the file
+    #: when it compiles and never overwrites it: remove it to get the next call's). ``profile_ranges`` is each
+    #: warpgroup's buffer in ranges (16 B of shared memory a range and warpgroup; at least
+    #: ``profile_ranges_needed``). A profiled config is another static config: it compiles separately.
+    #: ``benchmarks/attention_profile_gpu.py`` runs it and summarizes the trace.
+    profile_dir: str = ""
+    profile_ranges: int = 0
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
@@ -70,14 +80,37 @@ class SparseAttentionConfig:
         if self.row_issue not in ("warpgroup", "warps", "cp_async"):
             raise ValueError(f"SparseAttentionConfig.row_issue={self.row_issue!r} must be 'warpgroup', 'warps' "
                              "or 'cp_async'")
+        if self.profile_ranges < 0 or bool(self.profile_dir) != bool(self.profile_ranges):
+            raise ValueError(f"SparseAttentionConfig: profile_dir={self.profile_dir!r} and profile_ranges="
+                             f"{self.profile_ranges} must be set together (a directory and a positive count) "
+                             "or not at all")
 
     def num_splits(self, k: int) -> int:
         return -(-k // self.split_rows)
 
 
-def smem_bytes(head_dim: int, split_rows: int, fp4: bool = False) -> int:
+#: Named phases (kernel.py) a consumer warpgroup records per 64-row block at most (the FP4 variant's
+#: nine: c_wait, c_tile, c_tile_sync, c_qk, c_max, c_exp, c_psync, c_pv, c_sync), and once per CTA
+#: (Mosaic's own "Init", c_init, c_out). The producer records fewer (Init, p_init, p_wait_free and
+#: p_issue per block, p_drain).
+PROFILE_SCOPES_PER_BLOCK = 9
+PROFILE_SCOPES_PER_CTA = 3
+#: Bytes of the profiler's buffer per range and warpgroup: a begin and an end event of two uint32 each.
+PROFILE_BYTES_PER_RANGE = 16
+
+
+def profile_ranges_needed(split_rows: int) -> int:
+    """The least ``SparseAttentionConfig.profile_ranges`` that holds a CTA's consumer trace: its
+    ranges, plus one for the profiler's 3-entry header. Too few would overrun shared memory."""
+    return PROFILE_SCOPES_PER_CTA + PROFILE_SCOPES_PER_BLOCK * (split_rows // BLOCK_ROWS) + 1
+
+
+def smem_bytes(head_dim: int, split_rows: int, fp4: bool = False, profile_ranges: int = 0,
+               warpgroups: int = 3) -> int:
     """Shared memory the kernel allocates for one CTA (see kernel.py for the buffers); fp4: the variant
-    reading FP4 compressed rows, which adds a landing block of packed rows and its scales."""
+    reading FP4 compressed rows, which adds a landing block of packed rows and its scales;
+    profile_ranges: the profiler's buffer for each of the CTA's ``warpgroups`` (plus up to 8 bytes of
+    alignment), 0 when not profiling."""
     bf16 = 2
     q = HEAD_GROUP * head_dim * bf16
     stage = BLOCK_ROWS * head_dim * bf16           # two 32-row TMA landing slots
@@ -86,7 +119,8 @@ def smem_bytes(head_dim: int, split_rows: int, fp4: bool = False) -> int:
     exchange = 2 * HEAD_GROUP * 4
     idx = split_rows * 4
     fp4_rows = BLOCK_ROWS * head_dim // 2 + BLOCK_ROWS * head_dim // 16 if fp4 else 0
-    return q + stage + tiled + probs + exchange + idx + fp4_rows
+    profiler = warpgroups * profile_ranges * PROFILE_BYTES_PER_RANGE + 8 if profile_ranges else 0
+    return q + stage + tiled + probs + exchange + idx + fp4_rows + profiler
 
 
 def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAttentionConfig,
@@ -100,6 +134,11 @@ def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAtten
         return f"head_dim={head_dim}: the FP4 variant copies packed rows of head_dim/2 bytes, a multiple of 128"
     if fp4 and config.producer_warpgroups != 1:
         return "the FP4 variant has one producer warpgroup"
-    if (need := smem_bytes(head_dim, config.split_rows, fp4)) > SMEM_LIMIT_BYTES:
-        return f"head_dim={head_dim}, split_rows={config.split_rows} need {need} B of shared memory"
+    if config.profile_ranges and config.profile_ranges < (least := profile_ranges_needed(config.split_rows)):
+        return (f"profile_ranges={config.profile_ranges} cannot hold a CTA's trace at split_rows="
+                f"{config.split_rows}: need {least}")
+    need = smem_bytes(head_dim, config.split_rows, fp4, config.profile_ranges, 2 + config.producer_warpgroups)
+    if need > SMEM_LIMIT_BYTES:
+        extra = f" with profile_ranges={config.profile_ranges}" if config.profile_ranges else ""
+        return f"head_dim={head_dim}, split_rows={config.split_rows}{extra} need {need} B of shared memory"
     return None

@@ -62,11 +62,12 @@ _WARPS = 4        # per warpgroup
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
            scale: float, n_producers: int, win_blocks: int | None = None, groups: int = 1,
            no_auto_barriers: bool = False, row_issue: str = "warpgroup", pv_cols: int = 128,
-           pv_in_place: bool = False, fp4_dequant: str = "bits"):
+           pv_in_place: bool = False, fp4_dequant: str = "bits", profile_dir: str = "", profile_ranges: int = 0):
     """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64];
     with ``win_blocks`` (FP4 mode) also values [B, N, D/2] uint8 and the per-query gathered scales
     [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
-    window rows."""
+    window rows. profile_dir / profile_ranges: Mosaic GPU's profiler records the named phases of every
+    warpgroup into a trace in that directory (SparseAttentionConfig.profile_dir)."""
     fp4 = win_blocks is not None
     producer_regs = 24 if n_producers == 2 else 40    # two producers: 232 a consumer still fits the pool
     if fp4 and n_producers != 1:
@@ -123,81 +124,102 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         def consumer(half: int):
             plgpu.set_max_registers(mosaic.consumer_registers(2, n_producers, producer_regs), action="increase")
             rows = pl.ds(half * _HALF_ROWS, _HALF_ROWS)
-            plgpu.barrier_wait(q_bar)
-            plgpu.barrier_wait(idx_bar)
-            if n_splits == 1:
-                m0 = plgpu.load(sink_ref.at[group], layout=row_layout, optimized=False) * _LOG2E
-            else:
-                m0 = plgpu.layout_cast(jnp.full((h,), _NEG_BIG, jnp.float32), row_layout)
-            # e^(sink - m) rides in warpgroup 0's share of the denominator and is rescaled with it.
-            l0 = plgpu.layout_cast(jnp.full((h,), 1.0 if (n_splits == 1 and half == 0) else 0.0, jnp.float32),
-                                   row_layout)
-            o0 = tuple(plgpu.layout_cast(jnp.zeros((h, cw), jnp.float32), plgpu.Layout.WGMMA)
-                       for _ in range(n_chunks))
+            # Phases are named scopes: begin/end events of Mosaic GPU's profiler when it is on
+            # (SparseAttentionConfig.profile_dir; config.PROFILE_SCOPES_PER_BLOCK counts them), nothing
+            # otherwise. They follow one another, so they cover nearly all of a warpgroup's time.
+            with jax.named_scope("c_init"):
+                plgpu.barrier_wait(q_bar)
+                plgpu.barrier_wait(idx_bar)
+                if n_splits == 1:
+                    m0 = plgpu.load(sink_ref.at[group], layout=row_layout, optimized=False) * _LOG2E
+                else:
+                    m0 = plgpu.layout_cast(jnp.full((h,), _NEG_BIG, jnp.float32), row_layout)
+                # e^(sink - m) rides in warpgroup 0's share of the denominator and is rescaled with it.
+                l0 = plgpu.layout_cast(jnp.full((h,), 1.0 if (n_splits == 1 and half == 0) else 0.0, jnp.float32),
+                                       row_layout)
+                o0 = tuple(plgpu.layout_cast(jnp.zeros((h, cw), jnp.float32), plgpu.Layout.WGMMA)
+                           for _ in range(n_chunks))
 
             def block(i, carry):
                 o, m, l = carry
                 if not fp4:
-                    plgpu.barrier_wait(ready.at[half])
-                    tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
-                    plgpu.commit_smem()
+                    with jax.named_scope("c_wait"):
+                        plgpu.barrier_wait(ready.at[half])
+                    with jax.named_scope("c_tile"):
+                        tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(free.at[half])
                 else:
                     # Both consumers wait on both slots every block: barrier phases are counted per waiter.
                     fstage, fscale = fp4_smem
-                    plgpu.barrier_wait(ready.at[0])
-                    plgpu.barrier_wait(ready.at[1])
-                    plgpu.barrier_wait(fp4_bar[0])
-                    is_win = split * n_blocks + i < win_blocks
+                    with jax.named_scope("c_wait"):
+                        plgpu.barrier_wait(ready.at[0])
+                        plgpu.barrier_wait(ready.at[1])
+                        plgpu.barrier_wait(fp4_bar[0])
+                    with jax.named_scope("c_tile"):
+                        is_win = split * n_blocks + i < win_blocks
 
-                    @pl.when(is_win)
-                    def _():
-                        tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
+                        @pl.when(is_win)
+                        def _():
+                            tiled.at[rows][...] = plgpu.load(stage.at[half], layout=copy_layout)
 
-                    @pl.when(jnp.logical_not(is_win))
-                    def _():
-                        for c in range(dh // 32):
-                            cc = half * (dh // 32) + c
-                            tiled.at[:, pl.ds(cc * 32, 32)][...] = dequant_chunk(fstage, fscale, cc)
-                    plgpu.commit_smem()
-                    rendezvous()  # every row of the tile is written; the landing block and scales are read
-                plgpu.barrier_arrive(free.at[half])
+                        @pl.when(jnp.logical_not(is_win))
+                        def _():
+                            for c in range(dh // 32):
+                                cc = half * (dh // 32) + c
+                                tiled.at[:, pl.ds(cc * 32, 32)][...] = dequant_chunk(fstage, fscale, cc)
+                        plgpu.commit_smem()
+                    with jax.named_scope("c_tile_sync"):
+                        rendezvous()  # every row of the tile is written; the landing block and scales are read
+                        plgpu.barrier_arrive(free.at[half])
 
                 def qk(acc_ref):
                     for c in range(2):
                         plgpu.wgmma(acc_ref, q_smem.at[c], tiled.at[rows, pl.ds(c * dh, dh)].T)
                     return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((h, _HALF_ROWS), jnp.float32))
-                ids = plgpu.load(idx_smem.at[i, rows], layout=col_layout, optimized=False)
-                valid = lax.broadcast_in_dim(ids >= 0, (h, _HALF_ROWS), [1])
-                s = jnp.where(valid, s * score_scale, -jnp.inf)
-                xmax.at[half][...] = s.max(axis=1)
-                rendezvous()  # both halves' maxima are visible
-                m_new = jnp.maximum(m, jnp.maximum(xmax.at[0][...], xmax.at[1][...]))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (h, _HALF_ROWS), [0]))
-                l = l * alpha + p.sum(axis=1)
-                probs.at[:, rows][...] = p.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                rendezvous()  # both halves of p and of the tiled block are visible to wgmma
+                with jax.named_scope("c_qk"):
+                    s = pl.run_scoped(qk, plgpu.ACC((h, _HALF_ROWS), jnp.float32))
+                    ids = plgpu.load(idx_smem.at[i, rows], layout=col_layout, optimized=False)
+                    valid = lax.broadcast_in_dim(ids >= 0, (h, _HALF_ROWS), [1])
+                    s = jnp.where(valid, s * score_scale, -jnp.inf)
+                with jax.named_scope("c_max"):
+                    xmax.at[half][...] = s.max(axis=1)
+                    rendezvous()  # both halves' maxima are visible
+                    m_new = jnp.maximum(m, jnp.maximum(xmax.at[0][...], xmax.at[1][...]))
+                with jax.named_scope("c_exp"):
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (h, _HALF_ROWS), [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    probs.at[:, rows][...] = p.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                with jax.named_scope("c_psync"):
+                    rendezvous()  # both halves of p and of the tiled block are visible to wgmma
 
                 o_new = []
-                for c in range(n_chunks):
-                    cols = pl.ds(half * dh + c * cw, cw)
+                with jax.named_scope("c_pv"):
+                    for c in range(n_chunks):
+                        cols = pl.ds(half * dh + c * cw, cw)
 
-                    def pv(acc_ref, cols=cols):
-                        plgpu.wgmma(acc_ref, probs, tiled.at[:, cols])
-                        return acc_ref[...]
-                    scaled = o[c] * lax.broadcast_in_dim(alpha, (h, cw), [0])
-                    if pv_in_place:
-                        o_new.append(pl.run_state(lambda acc_ref, cols=cols: plgpu.wgmma(acc_ref, probs,
-                                                                                         tiled.at[:, cols]))(
-                            plgpu.ACC.init(scaled)))
-                    else:
-                        o_new.append(scaled + pl.run_scoped(pv, plgpu.ACC((h, cw), jnp.float32)))
-                rendezvous()  # both p.kv products are done before tiled/probs/xmax are rewritten
+                        def pv(acc_ref, cols=cols):
+                            plgpu.wgmma(acc_ref, probs, tiled.at[:, cols])
+                            return acc_ref[...]
+                        scaled = o[c] * lax.broadcast_in_dim(alpha, (h, cw), [0])
+                        if pv_in_place:
+                            o_new.append(pl.run_state(lambda acc_ref, cols=cols: plgpu.wgmma(acc_ref, probs,
+                                                                                             tiled.at[:, cols]))(
+                                plgpu.ACC.init(scaled)))
+                        else:
+                            o_new.append(scaled + pl.run_scoped(pv, plgpu.ACC((h, cw), jnp.float32)))
+                with jax.named_scope("c_sync"):
+                    rendezvous()  # both p.kv products are done before tiled/probs/xmax are rewritten
                 return tuple(o_new), m_new, l
 
             o, m, l = lax.fori_loop(0, n_blocks, block, (o0, m0, l0))
+            with jax.named_scope("c_out"):
+                consumer_out(half, o, m, l)
+
+        def consumer_out(half: int, o, m, l):
+            """The epilogue: sum both halves' denominators, normalise, write o (and the lse)."""
             xmax.at[half][...] = l
             rendezvous()
             l = xmax.at[0][...] + xmax.at[1][...]
@@ -264,11 +286,12 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
             # With two producer warpgroups each issues one landing slot's rows. (How the rows are issued
             # does not set the kernel's speed: on the H200 every ``row_issue`` timed alike, README.md.)
             plgpu.set_max_registers(producer_regs, action="decrease")
-            if 0 in halves:
-                for c in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[n, :, pl.ds(c * dh, dh)], q_smem.at[c], q_bar)
-                plgpu.copy_gmem_to_smem(idx_ref.at[n, split], idx_smem, idx_bar)
-            plgpu.barrier_wait(idx_bar)
+            with jax.named_scope("p_init"):
+                if 0 in halves:
+                    for c in range(2):
+                        plgpu.copy_gmem_to_smem(q_ref.at[n, :, pl.ds(c * dh, dh)], q_smem.at[c], q_bar)
+                    plgpu.copy_gmem_to_smem(idx_ref.at[n, split], idx_smem, idx_bar)
+                plgpu.barrier_wait(idx_bar)
 
             if fp4:
                 fstage, fscale = fp4_smem
@@ -278,43 +301,50 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                 def _(i):
                     g = split * n_blocks + i
 
-                    @pl.when(i > 0)
-                    def _():  # the landing block and the scale slot are shared by both halves
-                        plgpu.barrier_wait(free.at[0])
-                        plgpu.barrier_wait(free.at[1])
+                    with jax.named_scope("p_wait_free"):
+                        @pl.when(i > 0)
+                        def _():  # the landing block and the scale slot are shared by both halves
+                            plgpu.barrier_wait(free.at[0])
+                            plgpu.barrier_wait(free.at[1])
 
-                    @pl.when(g < win_blocks)
-                    def _():
-                        for half in (0, 1):
-                            copy_rows(i, half, kv_ref, stage.at[half])
+                    with jax.named_scope("p_issue"):
+                        @pl.when(g < win_blocks)
+                        def _():
+                            for half in (0, 1):
+                                copy_rows(i, half, kv_ref, stage.at[half])
 
-                    # Every block brings a scale slot (zeros for window blocks): the consumers then wait
-                    # on it unconditionally, which keeps barrier waits out of branches.
-                    plgpu.copy_gmem_to_smem(cs_ref.at[bt, g], fscale, fp4_bar[0])
+                        # Every block brings a scale slot (zeros for window blocks): the consumers then
+                        # wait on it unconditionally, which keeps barrier waits out of branches.
+                        plgpu.copy_gmem_to_smem(cs_ref.at[bt, g], fscale, fp4_bar[0])
 
-                    @pl.when(g >= win_blocks)
-                    def _():
-                        for half in (0, 1):
-                            copy_rows(i, half, cv_ref, fstage.at[pl.ds(half * _HALF_ROWS, _HALF_ROWS)])
-                    publish((0, 1))   # either branch committed one cp.async group per half
-                plgpu.barrier_wait(q_bar)
-                plgpu.barrier_wait(free.at[0])
-                plgpu.barrier_wait(free.at[1])
+                        @pl.when(g >= win_blocks)
+                        def _():
+                            for half in (0, 1):
+                                copy_rows(i, half, cv_ref, fstage.at[pl.ds(half * _HALF_ROWS, _HALF_ROWS)])
+                        publish((0, 1))   # either branch committed one cp.async group per half
+                with jax.named_scope("p_drain"):
+                    plgpu.barrier_wait(q_bar)
+                    plgpu.barrier_wait(free.at[0])
+                    plgpu.barrier_wait(free.at[1])
                 return
 
             @pl.loop(0, n_blocks)
             def _(i):
                 for half in halves:
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(free.at[half])
-                    copy_rows(i, half, kv_ref, stage.at[half])
-                publish(halves)
+                    with jax.named_scope("p_wait_free"):
+                        @pl.when(i > 0)
+                        def _():
+                            plgpu.barrier_wait(free.at[half])
+                    with jax.named_scope("p_issue"):
+                        copy_rows(i, half, kv_ref, stage.at[half])
+                with jax.named_scope("p_issue"):
+                    publish(halves)
             # Observe the last phases so every barrier is quiescent when the kernel ends.
-            if 0 in halves:
-                plgpu.barrier_wait(q_bar)
-            for half in halves:
-                plgpu.barrier_wait(free.at[half])
+            with jax.named_scope("p_drain"):
+                if 0 in halves:
+                    plgpu.barrier_wait(q_bar)
+                for half in halves:
+                    plgpu.barrier_wait(free.at[half])
 
         halves_per_producer = [(0, 1)] if n_producers == 1 else [(0,), (1,)]
         mosaic.run_warpgroups(consumer, [lambda halves=halves: producer(halves) for halves in halves_per_producer])
@@ -352,6 +382,9 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         # Pallas otherwise syncs the issuing warpgroup before every copy (one row each here); the
         # producer only writes landing slots that the consumers release through barriers.
         params["unsafe_no_auto_barriers"] = True
+    if profile_ranges:
+        # (a range is a begin and an end event; the buffer is profile_ranges ranges a warpgroup)
+        params.update(profile_space=profile_ranges, profile_dir=profile_dir)
     return plgpu.kernel(entry, out_type=out_type, grid=(n_queries, n_splits), grid_names=("query", "split"),
                         num_threads=2 + n_producers, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(**params))
@@ -428,7 +461,8 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
                   config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers, row_issue=config.row_issue,
-                  pv_cols=config.pv_cols, pv_in_place=config.pv_in_place)
+                  pv_cols=config.pv_cols, pv_in_place=config.pv_in_place, profile_dir=config.profile_dir,
+                  profile_ranges=config.profile_ranges)
     return _outputs(call(q, kv_bsd, idx, sink), sink, q_bthd.shape)
 
 
@@ -483,6 +517,7 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale), 1,
                   win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers,
                   row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place,
-                  fp4_dequant=config.fp4_dequant)
+                  fp4_dequant=config.fp4_dequant, profile_dir=config.profile_dir,
+                  profile_ranges=config.profile_ranges)
     outs = call(q, to_fp4_k_order(win_kv_bsd, _FP4_GROUP), idx, sink, comp_values_bnc, cs)
     return from_fp4_k_order(_outputs(outs, sink, q_bthd.shape), _FP4_GROUP)
