@@ -41,6 +41,10 @@ Sections:
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
+* pattn: the prefill of the last --prompts length at the first --chunk, replay off, three times with
+  the attention kernel's prefill form changed (``Numerics.attention_fp4_rows="never"``: the bf16
+  kernel on the decoded compressed cache; ``attention_prefill_split_rows=640``: one split a query; both),
+  to compare with the prefill section's replay-off row on the same machine.
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -754,7 +758,7 @@ def attention_core_flops(cfg, prompt: int, replay_from: int) -> float:
     return total
 
 
-def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True, False)):
+def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True, False), label: str = ""):
     rows = []
     dense = RESULTS.get("dense_flops")
     max_len = max(prompts) + 16
@@ -786,7 +790,8 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
             if dense:
                 rec["dense_fraction"] = flops / s / dense
             rows.append(rec)
-            line = (f"prefill {n:6d} tok, chunk {chunk}, replay {'on ' if br else 'off'}: {s:7.2f} s "
+            line = (f"prefill{' ' + label if label else ''} {n:6d} tok, chunk {chunk}, "
+                    f"replay {'on ' if br else 'off'}: {s:7.2f} s "
                     f"{n / s:9.0f} tok/s {rec['tflops']:6.1f} TFLOP/s")
             if dense:
                 line += f" = {rec['dense_fraction']:.1%} of dense"
@@ -879,6 +884,11 @@ def main(argv=None):
     ap.add_argument("--dense-kernel", default=None, choices=("off", "on", "decode"),
                     help="Numerics.dense_kernel: the dense FP8 linears on the grouped GEMM kernel (default: the "
                     "Numerics default); with the densexla section, the A/B against XLA's bf16 dots")
+    ap.add_argument("--attention-fp4-rows", default=None, choices=("always", "decode", "never"),
+                    help="Numerics.attention_fp4_rows: the attention kernel's form for the FP4 compressed cache "
+                         "(default: the Numerics default)")
+    ap.add_argument("--attention-prefill-split", type=int, default=None,
+                    help="Numerics.attention_prefill_split_rows (the attention kernel's split in prefill programs)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an XLA compile option for the engine's programs in every section (EngineConfig."
                          "xla_options; true/false and integers are typed, the rest are strings), repeatable")
@@ -922,6 +932,12 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
+    if args.attention_fp4_rows:
+        numerics = dataclasses.replace(numerics, attention_fp4_rows=args.attention_fp4_rows)
+    if args.attention_prefill_split:
+        numerics = dataclasses.replace(numerics, attention_prefill_split_rows=args.attention_prefill_split)
+    RESULTS["attention"] = dict(fp4_rows=numerics.attention_fp4_rows, split_rows=numerics.attention_split_rows,
+                                prefill_split_rows=numerics.attention_prefill_split_rows)
     RESULTS["dense_kernel"] = numerics.dense_kernel
     params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
@@ -989,6 +1005,12 @@ def main(argv=None):
     if "prefill" in want:
         for i, c in enumerate(chunks):
             section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)
+    if "pattn" in want:   # A/B of the attention kernel's prefill form against the prefill section's rows
+        for label, change in (("bf16-rows", dict(attention_fp4_rows="never")),
+                              ("split640", dict(attention_prefill_split_rows=640)),
+                              ("bf16-rows-split640", dict(attention_fp4_rows="never", attention_prefill_split_rows=640))):
+            section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),
+                    prompts[-1:], args.chunk, (False,), label)
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:

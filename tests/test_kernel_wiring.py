@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -184,6 +186,59 @@ def test_attention_layer_core_in_gpu_interpreter():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla.astype(jnp.bfloat16), np.float32),
                                rtol=0, atol=tol)
     assert float(jnp.max(jnp.abs(xla))) > 10 * tol      # not a comparison of two near-zero outputs
+
+
+def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
+    """Numerics.attention_fp4_rows / attention_split_rows where the Mosaic kernel would run (simulated:
+    the route is forced to it and the two ops record their call, then run their XLA fallback): "always"
+    calls the FP4 variant on the stored cache, "never" the bf16 op on the decoded cache, each with the
+    configured split; both give the model path's attention within the kernel tolerance. Off the kernel
+    route (the CPU's own choice) "never" changes nothing: the selected rows are read either way."""
+    import deepinfer_jax.model.attention as attention_module
+    from pallas_kernels import attention as pk_attn
+    from pallas_kernels.registry import PALLAS_MOSAIC_GPU
+
+    rng = np.random.default_rng(5)
+    args = _attention_inputs(rng, 1, 2, 4, 128, 8, 6, 4)
+    scale = 128 ** -0.5
+    base = _mode("ops")
+    ops_out = attention_core(*args, scale, base)
+    never = Numerics(base.act_dtype, base.fake_quant, base.kv_quant, base.kernels, attention_fp4_rows="never")
+    assert np.array_equal(np.asarray(attention_core(*args, scale, never)), np.asarray(ops_out))
+
+    calls = []
+    for name in ("sparse_sink_attention", "sparse_sink_attention_fp4"):
+        real = getattr(pk_attn, name)
+
+        def record(*a, _real=real, _name=name, config, impl, **kw):
+            calls.append((_name, impl, config.split_rows, a[1].shape))
+            return _real(*a, config=config, impl="xla", **kw)
+        monkeypatch.setattr(pk_attn, name, record)
+    monkeypatch.setattr(attention_module, "_route", lambda *a: ("op", PALLAS_MOSAIC_GPU))
+    xla = attention_core(*args, scale, _mode("xla"))
+    tol = _attn_tol(args[1], args[3])
+    for rows, split in (("always", 320), ("never", 640), ("decode", 128)):
+        calls.clear()
+        numerics = dataclasses.replace(base, attention_fp4_rows=rows, attention_split_rows=split)
+        got = attention_core(*args, scale, numerics)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla.astype(jnp.bfloat16), np.float32),
+                                   rtol=0, atol=tol)
+        op = "sparse_sink_attention" if rows == "never" else "sparse_sink_attention_fp4"
+        kv_rows = args[1].shape[1] + (args[3]["values"].shape[1] if rows == "never" else 0)  # + the decoded cache
+        assert calls == [(op, PALLAS_MOSAIC_GPU, split, (1, kv_rows, 128))]
+
+
+def test_attention_numerics_per_program_and_validation():
+    nq = dataclasses.replace(Numerics.reference(), attention_fp4_rows="decode", attention_prefill_split_rows=640)
+    dec, pre = nq.for_program("decode"), nq.for_program("prefill")
+    assert (dec.attention_fp4_rows, dec.attention_split_rows) == ("always", 320)
+    assert (pre.attention_fp4_rows, pre.attention_split_rows) == ("never", 640)
+    same = Numerics.reference()
+    assert same.for_program("prefill").attention_split_rows == same.attention_split_rows == 320
+    for bad in (dict(attention_fp4_rows="prefill"), dict(attention_split_rows=0), dict(attention_split_rows=100),
+                dict(attention_prefill_split_rows=-64), dict(attention_prefill_split_rows=96)):
+        with pytest.raises(ValueError, match="attention_"):
+            dataclasses.replace(Numerics.reference(), **bad)
 
 
 # ---- one MoE layer --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_qua
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
 from deepinfer_jax.model.v4_quant import fake_quant_kv_v4
 from deepinfer_jax.model.window import chunk_window_index, window_index, window_keys, window_update
+from pallas_kernels.registry import PALLAS_MOSAIC_GPU
 
 
 def sink_attention(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
@@ -66,6 +67,16 @@ def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict |
     return jnp.concatenate([kv, comp], axis=1), jnp.concatenate([idx_w, idx_c], axis=-1)
 
 
+def _route(numerics: Numerics, dtype, h: int, d: int, config, fp4: bool) -> tuple[str, str | None]:
+    """``kernel_route`` of the attention op (fp4: its FP4 variant) for these static shapes."""
+    from pallas_kernels import attention as pk_attn
+
+    why = pk_attn.kernel_unsupported_reason(h, d, config, fp4=fp4)
+    if why is None and dtype != jnp.bfloat16:
+        why = f"the kernel takes bf16 q and kv, not {dtype}"
+    return kernel_route(numerics, "attention", "sparse_sink_attention_fp4" if fp4 else "sparse_sink_attention", why)
+
+
 def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict | None,
                    idx_btk: jax.Array | None, sink_h: jax.Array, scale: float, numerics: Numerics,
                    comp_layout: kv_codec.Layout = kv_codec.COMPRESSED,
@@ -82,15 +93,16 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
     h, d = q_bthd.shape[-2:]
     ring = win_k_bwd.shape[1] - q_bthd.shape[1]   # window_keys' keys: the ring W, then the chunk's T rows
-    config = pk_attn.SparseAttentionConfig()
+    config = pk_attn.SparseAttentionConfig(split_rows=numerics.attention_split_rows)
     # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
            and numerics.kernel_mode("attention") != "interpret")
-    why = pk_attn.kernel_unsupported_reason(h, d, config, fp4=fp4)
-    if why is None and q_bthd.dtype != jnp.bfloat16:
-        why = f"the kernel takes bf16 q and kv, not {q_bthd.dtype}"
-    route, impl = kernel_route(numerics, "attention", "sparse_sink_attention_fp4" if fp4 else "sparse_sink_attention",
-                               why)
+    route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
+    if fp4 and impl == PALLAS_MOSAIC_GPU and numerics.attention_fp4_rows == "never":
+        # the bf16 kernel on the decoded cache (Numerics.attention_fp4_rows); the XLA routes above keep
+        # reading only the selected rows
+        fp4 = False
+        route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
                               comp_layout)

@@ -42,6 +42,7 @@ KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
 KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn", "dense")
 EXPERT_OPERAND_MODES = ("bf16", "e4m3", "e4m3-decode")
 DENSE_KERNEL_MODES = ("off", "on", "decode")
+ATTENTION_FP4_MODES = ("always", "decode", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,21 @@ class Numerics:
     # The kernel sums in another order than XLA's dot (the products are the same), so a token's bits
     # depend on the program kind, as with ``expert_operands``, never on the batch.
     dense_kernel: str = "off"
+    # Which form of V4.1's FP4 compressed cache the attention kernel reads (the Mosaic GPU kernel route
+    # only: the XLA and model routes gather and decode the selected rows either way): "always" (the FP4
+    # variant, ``sparse_sink_attention_fp4``: the selected rows as stored, dequantized by the kernel's
+    # consumers), "decode" (the FP4 variant in the engine's decode programs; its prefill programs, by
+    # ``for_program``, decode the whole compressed cache to bf16 once a layer-chunk, a few MB, and run the
+    # bf16 kernel, whose consumers skip the dequant that an in-kernel profile put at ~30 % of a CTA's time,
+    # benchmarks/NOTES.md item -26) or "never". The FP4 variant sums a row's columns in another order, so
+    # a token's bits depend on the program kind, which the request alone decides, never on the batch.
+    # Model calls outside the engine's programs read "decode" as "always".
+    attention_fp4_rows: str = "always"
+    # The attention kernel's ``SparseAttentionConfig.split_rows`` (selected rows a CTA reduces; more rows
+    # go to more CTAs, merged in a fixed order): a static choice, so rows stay batch-invariant. In the
+    # engine's prefill programs ``attention_prefill_split_rows`` when it is set (0: the same).
+    attention_split_rows: int = 320
+    attention_prefill_split_rows: int = 0
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -131,11 +147,20 @@ class Numerics:
                              "activations' FP8 values, which only the quantizer makes")
         if self.dense_kernel not in DENSE_KERNEL_MODES:
             raise ValueError(f"Numerics.dense_kernel={self.dense_kernel!r}; known: {DENSE_KERNEL_MODES}")
+        if self.attention_fp4_rows not in ATTENTION_FP4_MODES:
+            raise ValueError(f"Numerics.attention_fp4_rows={self.attention_fp4_rows!r}; known: {ATTENTION_FP4_MODES}")
+        for name in ("attention_split_rows", "attention_prefill_split_rows"):
+            rows = getattr(self, name)
+            if rows < 0 or rows % 64 or (rows == 0 and name == "attention_split_rows"):
+                raise ValueError(f"Numerics.{name}={rows} must be a positive multiple of 64 (the kernel's block)"
+                                 + (" or 0 (the decode split)" if name == "attention_prefill_split_rows" else ""))
 
     def for_program(self, kind: str) -> "Numerics":
         """These numerics as a ``kind`` ("prefill" or "decode") program of the engine runs them:
         ``expert_operands="e4m3-decode"`` becomes "e4m3" in decode programs (with fake_quant on) and
-        "bf16" otherwise; ``dense_kernel="decode"`` becomes "on" in decode programs, "off" otherwise."""
+        "bf16" otherwise; ``dense_kernel="decode"`` becomes "on" in decode programs, "off" otherwise;
+        ``attention_fp4_rows="decode"`` becomes "always" in decode programs, "never" otherwise; prefill
+        programs take ``attention_prefill_split_rows`` as their split when it is set."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"program kind {kind!r} must be 'prefill' or 'decode'")
         out = self
@@ -144,6 +169,10 @@ class Numerics:
             out = dataclasses.replace(out, expert_operands="e4m3" if e4m3 else "bf16")
         if self.dense_kernel == "decode":
             out = dataclasses.replace(out, dense_kernel="on" if kind == "decode" else "off")
+        if self.attention_fp4_rows == "decode":
+            out = dataclasses.replace(out, attention_fp4_rows="always" if kind == "decode" else "never")
+        if kind == "prefill" and self.attention_prefill_split_rows:
+            out = dataclasses.replace(out, attention_split_rows=self.attention_prefill_split_rows)
         return out
 
     def unroll_sinkhorn(self) -> bool:
