@@ -317,11 +317,34 @@ def test_fp4_bits_decoder_gives_the_arith_values_for_every_byte_and_scale():
     assert np.asarray(arith)[~nan].max() == 6 * 448 and np.asarray(arith)[~nan].min() == -6 * 448   # a real range
 
 
+def test_fp4_packed_decoder_replayed_in_numpy_gives_the_arith_values_for_every_e4m3_scale():
+    """The "packed" row decoder (the grouped GEMM's inline PTX fed the row's E4M3 scale as a bf16 pair,
+    ``fp4_packed.dequant_scaled``), replayed op for op in numpy: every packed byte in either half of the
+    input register times every non-negative finite E4M3 scale byte (zero, subnormals, 448) -> the
+    "arith" values' bf16 bits, signed zeros included. (Cache scales come from an amax, so never
+    negative; the GPU alone runs the PTX, the lowering test below checks its assembly.)"""
+    from pallas_kernels.grouped_gemm import fp4_packed
+    from pallas_kernels.grouped_gemm.kernel import _fp4_nibble_to_f32
+
+    scale_bytes = np.arange(0x7F, dtype=np.uint8)               # 0x00..0x7E: +0, subnormals, normals to 448
+    sc = jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes), jnp.float8_e4m3fn).astype(jnp.float32)
+    s_bits = np.asarray(sc.astype(jnp.bfloat16)).view(np.uint16)[:, None]          # exact: 4 significant bits
+    byte0 = np.arange(256)[None, :]
+    byte1 = np.roll(np.arange(256), 77)[None, :]
+    lo, hi = fp4_packed.emulate_scaled(byte0, byte1, s_bits)
+    for word, shift in ((lo, 0), (hi, 4)):
+        for half, byte in enumerate((byte0, byte1)):
+            want = (_fp4_nibble_to_f32((jnp.asarray(byte) >> shift) & 15) * sc[:, None]).astype(jnp.bfloat16)
+            assert np.array_equal((word >> (16 * half)) & 0xFFFF, np.asarray(want).view(np.uint16))
+    assert float(sc.max()) == 448 and float(sc[1]) == 2.0 ** -9    # the whole range was covered
+
+
 @pytest.mark.parametrize("cfg", [SparseAttentionConfig(320), SparseAttentionConfig(640),
                                  SparseAttentionConfig(320, no_auto_barriers=True),
                                  SparseAttentionConfig(320, row_issue="warps"),
                                  SparseAttentionConfig(320, row_issue="cp_async"),
-                                 SparseAttentionConfig(320, fp4_dequant="arith")])
+                                 SparseAttentionConfig(320, fp4_dequant="arith"),
+                                 SparseAttentionConfig(320, fp4_dequant="packed")])
 def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
     are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter

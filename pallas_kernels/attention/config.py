@@ -53,8 +53,10 @@ class SparseAttentionConfig:
     pv_in_place: bool = False
     #: FP4 variant: how consumers decode the packed E2M1 rows. "bits" places each nibble's bits in a
     #: float16 (value * 2^-14, the 2^14 folded into the row's scale; ~9 ALU ops a value, the grouped
-    #: GEMM's decoder); "arith" is the earlier float polynomial (~16 ops), kept for timing both. The
-    #: same bf16 values either way, so the same bits.
+    #: GEMM's decoder); "arith" is the earlier float polynomial (~16 ops), kept for timing both;
+    #: "packed" is the grouped GEMM's inline-PTX decoder with the row's E4M3 scale as a bf16 pair
+    #: (``fp4_packed.dequant_scaled``: ~4 ops a value, two values per 32-bit op; GPU only, the Mosaic GPU
+    #: interpreter runs "bits" in its place). The same bf16 values every way, so the same bits.
     fp4_dequant: str = "bits"
     #: Diagnostic only (GPU only; the same numerics): with both set, Mosaic GPU's in-kernel profiler
     #: records every named phase of the kernel (``jax.named_scope`` in kernel.py: "c_wait", "c_qk", ...,
@@ -75,8 +77,9 @@ class SparseAttentionConfig:
             raise ValueError(f"SparseAttentionConfig.producer_warpgroups={self.producer_warpgroups} must be 1 or 2")
         if self.pv_cols not in (32, 64, 128, 256):
             raise ValueError(f"SparseAttentionConfig.pv_cols={self.pv_cols} must be 32, 64, 128 or 256")
-        if self.fp4_dequant not in ("bits", "arith"):
-            raise ValueError(f"SparseAttentionConfig.fp4_dequant={self.fp4_dequant!r} must be 'bits' or 'arith'")
+        if self.fp4_dequant not in ("bits", "arith", "packed"):
+            raise ValueError(f"SparseAttentionConfig.fp4_dequant={self.fp4_dequant!r} must be 'bits', 'arith' "
+                             "or 'packed'")
         if self.row_issue not in ("warpgroup", "warps", "cp_async"):
             raise ValueError(f"SparseAttentionConfig.row_issue={self.row_issue!r} must be 'warpgroup', 'warps' "
                              "or 'cp_async'")

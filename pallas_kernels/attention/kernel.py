@@ -45,7 +45,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 # the grouped GEMM's E2M1 decoders: "arith" (float polynomial) and "bits" (float16 bit placement)
-from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
+from pallas_kernels.grouped_gemm.kernel import (_f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32,
+                                                _interpreting)
+from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation, from_fp4_k_order, to_fp4_k_order
 from pallas_kernels.attention import cp_async
 from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
@@ -87,6 +89,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((_HALF_ROWS, d), jnp.bfloat16, _SWIZZLE)
     score_scale = scale * _LOG2E     # exponentials are base 2; m and the log-sum-exp are in log2 units
 
+    # (the Mosaic GPU interpreter runs no inline PTX: there "packed" decodes with "bits", the same values)
+    dequant_mode = "bits" if fp4_dequant == "packed" and _interpreting() else fp4_dequant
     n_groups = d // _FP4_GROUP           # scale groups per row
     group_bytes = _FP4_GROUP // 2
 
@@ -96,8 +100,14 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         for grp in (2 * cc, 2 * cc + 1):
             sc = plgpu.load(fscale.at[grp], layout=row_layout, optimized=False).astype(jnp.float16).astype(jnp.float32)
             q8 = plgpu.load(fstage.at[:, pl.ds(grp * group_bytes, group_bytes)], layout=plgpu.Layout.WGMMA,
-                            optimized=False).astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
-            if fp4_dequant == "bits":
+                            optimized=False)
+            if dequant_mode == "packed":
+                # two values per 32-bit op (inline PTX); the E4M3 scale is exact in bf16
+                s16 = lax.broadcast_in_dim(sc.astype(jnp.bfloat16), (BLOCK_ROWS, group_bytes), [0])
+                pieces.append(fp4_packed.dequant_scaled(q8, s16))
+                continue
+            q8 = q8.astype(jnp.int32)   # Mosaic does no arithmetic on 8-bit lanes
+            if dequant_mode == "bits":
                 # value * 2^-14 from the bits, times scale * 2^14: both products exact (an E2M1 value has
                 # 2 significant bits, an E4M3 scale 4, far from float32's range ends), so the same values
                 vals = _f16_bits_to_f32(jnp.concatenate(_fp4_bytes_to_f16_bits(q8), axis=1))
@@ -105,7 +115,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
             else:
                 vals = jnp.concatenate([_fp4_nibble_to_f32(q8 & 15), _fp4_nibble_to_f32(q8 >> 4)], axis=1)
             pieces.append(vals * lax.broadcast_in_dim(sc, (BLOCK_ROWS, _FP4_GROUP), [0]))
-        return jnp.concatenate(pieces, axis=1).astype(jnp.bfloat16)
+        return jnp.concatenate([p.astype(jnp.bfloat16) for p in pieces], axis=1)
 
     def body(q_ref, kv_ref, idx_ref, sink_ref, *rest):
         if fp4:

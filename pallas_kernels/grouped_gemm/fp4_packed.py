@@ -1,4 +1,5 @@
-"""FP4 -> bf16 on packed 32-bit words with inline PTX (the kernel's ``fp4_dequant="packed"``).
+"""FP4 -> bf16 on packed 32-bit words with inline PTX (the grouped GEMM's and the attention kernel's
+``fp4_dequant="packed"``; ``dequant`` takes E8M0 row scales, ``dequant_scaled`` bf16 ones).
 
 Why: the jnp-level decoders ("arith", "bits") give every element its own 32-bit lane, so each integer or
 float op serves one element. Here one 32-bit register holds two bf16 results and every op serves both.
@@ -77,6 +78,18 @@ mov.b32 $2, s2;
 }"""
 
 
+# The same constants from a bf16 scale already in both halves of $3 (S = s, any bf16 that keeps the
+# products below exact: the attention kernel's E4M3 row scales): -T ($0), T ($1), S ($2).
+_SCALED_CONST_PTX = """{
+.reg .b32 t2, four;
+mov.b32 four, 0x40804080;
+mul.rn.bf16x2 t2, $3, four;
+xor.b32 $0, t2, 0x80008000;
+mov.b32 $1, t2;
+mov.b32 $2, $3;
+}"""
+
+
 # "subnormal" mode. $2 = the input register, $3 = C -> low-nibble pair ($0), high-nibble pair ($1).
 # w = [B0, B0, B1, B1]: low nibble magnitude at bits 0-2 (shift 6 -> 6-8), its sign at 11 (shift 4 -> 15);
 # high nibble magnitude at bits 4-6 (shift 2), its sign already at 15 in the upper copy.
@@ -129,46 +142,77 @@ def dequant(q, b, mode: str = "packed"):
     mode: "packed" (exact for b in {0} and [3, 251]) or "subnormal" (exact for b in [0, 128])."""
     if mode not in ("packed", "subnormal"):
         raise ValueError(f"mode={mode!r} must be 'packed' or 'subnormal'")
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm, vector
+
+    def consts(b_reg):
+        i32 = ir.IntegerType.get_signless(32)
+        bval = vector.extract(b_reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+        if mode == "subnormal":
+            return [llvm.inline_asm(i32, [bval], _SUBNORMAL_CONST_PTX, "=r,r")]
+        res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 3), [bval], _CONST_PTX, "=r,=r,=r,r")
+        return [llvm.extractvalue(i32, res, [k]) for k in range(3)]
+
+    if mode == "subnormal":
+        return _inline_pairs(q, b, consts, SUBNORMAL_PTX, "=r,=r,r,r", "fp4_subnormal_dequant")
+    return _inline_pairs(q, b, consts, _PAIR_PTX, "=r,=r,r,r,r,r", "fp4_packed_dequant")
+
+
+def dequant_scaled(q, s):
+    """The "packed" decoder with a bf16 scale per row: q uint8 [R, C], s bf16 [R, C] (each row's scale,
+    broadcast), both in the WGMMA layout -> bf16 [R, 2C], columns [C low nibbles, C high nibbles].
+
+    The E2M1 value times s, exact for any s >= 0 with 4 significant bits or fewer whose s/4 and 6s are
+    normal bf16 numbers: every non-negative E4M3 value (the attention kernel's compressed-cache scales,
+    made from an amax), so the same bits as any exact decoder. s = 0 gives 0. A negative s would turn
+    codes 0 and 1 wrong (the relu step assumes s >= 0)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    def consts(s_reg):   # a WGMMA register holds two columns of one row: the pair (s, s) as it is
+        i32 = ir.IntegerType.get_signless(32)
+        res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 3), [mgpu_utils.bitcast(s_reg, i32)],
+                              _SCALED_CONST_PTX, "=r,=r,=r,r")
+        return [llvm.extractvalue(i32, res, [k]) for k in range(3)]
+
+    return _inline_pairs(q, s, consts, _PAIR_PTX, "=r,=r,r,r,r,r", "fp4_scaled_dequant")
+
+
+def _inline_pairs(q, aux, consts, pair_ptx: str, constraints: str, name: str):
+    """Run ``pair_ptx`` on every 16-bit register of q (two bytes of a row) with the constants
+    ``consts(aux register)`` of its row -> bf16 [R, 2C] (low-nibble pairs, then high-nibble pairs)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
+    from jaxlib.mlir.dialects import arith, llvm
 
     rows, cols = q.shape
     layout = plgpu.Layout.WGMMA
 
-    @plgpu.inline_mgpu(arg_types=(layout, layout),
-                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * cols), jnp.bfloat16, layout))
-    def fp4_packed_dequant(_, q_fa, b_fa):
+    def body(_, q_fa, aux_fa):
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(q_fa.layout.registers_shape((rows, 2 * cols)), dtype=object)
-        consts = {}
+        row_consts = {}
         groups = cols // 8   # register axis 1 walks 8-column groups; the high nibbles go after the low ones
         for idx, reg in np.ndenumerate(q_fa.registers):
             row_key = idx[:1] + idx[2:]
-            if row_key not in consts:     # one set per row the thread holds, shared by its column groups
-                bval = vector.extract(b_fa.registers[idx], dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([0]))
-                if mode == "subnormal":
-                    consts[row_key] = [llvm.inline_asm(i32, [bval], _SUBNORMAL_CONST_PTX, "=r,r")]
-                else:
-                    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 3), [bval], _CONST_PTX, "=r,=r,=r,r")
-                    consts[row_key] = [llvm.extractvalue(i32, res, [k]) for k in range(3)]
+            if row_key not in row_consts:     # one set per row the thread holds, shared by its column groups
+                row_consts[row_key] = consts(aux_fa.registers[idx])
             x = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-            if mode == "subnormal":
-                res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *consts[row_key]],
-                                      SUBNORMAL_PTX, "=r,=r,r,r")
-            else:
-                res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *consts[row_key]], _PAIR_PTX,
-                                      "=r,=r,r,r,r,r")
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [x, *row_consts[row_key]], pair_ptx,
+                                  constraints)
             for half in range(2):
                 pair = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [half]), bf16x2)
                 out[idx[:1] + (idx[1] + half * groups,) + idx[2:]] = pair
         return mgpu.FragmentedArray(_registers=out, _layout=q_fa.layout, _is_signed=None)
 
-    return fp4_packed_dequant(q, b)
+    body.__name__ = name
+    fn = plgpu.inline_mgpu(arg_types=(layout, layout),
+                           return_type=plgpu.ShapeDtypeStruct((rows, 2 * cols), jnp.bfloat16, layout))(body)
+    return fn(q, aux)
 
 
 # ---- numpy replay of the PTX above (tests only) ------------------------------------------------------
@@ -187,8 +231,17 @@ def _word(pair):
 
 def emulate(byte0, byte1, b):
     """The PTX on uint32 numpy arrays -> (low pair, high pair) bf16x2 words as uint32."""
+    return _emulate_pairs(byte0, byte1, (np.asarray(b, np.uint32) * 0x00800080) & 0xFFFFFFFF)
+
+
+def emulate_scaled(byte0, byte1, s_bits):
+    """``dequant_scaled``'s PTX: s_bits = the scale's bf16 bits (uint16) -> (low pair, high pair)."""
+    s = np.asarray(s_bits, np.uint32)
+    return _emulate_pairs(byte0, byte1, s | (s << 16))
+
+
+def _emulate_pairs(byte0, byte1, s2):
     x = np.asarray(byte0, np.uint32) | (np.asarray(byte1, np.uint32) << 8)
-    s2 = (np.asarray(b, np.uint32) * 0x00800080) & 0xFFFFFFFF
     t2 = _word(_bf16x2(s2) * 4.0)
     neg_t, pos_t, scale = _bf16x2(t2 ^ _SIGN), _bf16x2(t2), _bf16x2(s2)
     w = ((x & 0xFF) << 8) | ((x & 0xFF00) << 16)
