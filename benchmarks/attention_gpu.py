@@ -329,9 +329,9 @@ FP4_CONFIGS = {"fp4/split320": SparseAttentionConfig(320), "fp4/split640": Spars
                "fp4/split640/c": SparseAttentionConfig(640, row_issue="cp_async"),
                "fp4/split320/pv64": SparseAttentionConfig(320, pv_cols=64),
                "fp4/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
-               "fp4/split320/packed": SparseAttentionConfig(320, fp4_dequant="packed"),
-               # the earlier float-polynomial row decoder ("bits", the default since 2026-12-05, decodes
-               # by float16 bit placement: same values)
+               # the earlier row decoders: "bits" (float16 bit placement, the default 2026-12-05 to -06) and
+               # the float polynomial; the same values as the default "packed"
+               "fp4/split320/bits": SparseAttentionConfig(320, fp4_dequant="bits"),
                "fp4/split320/arith": SparseAttentionConfig(320, fp4_dequant="arith")}
 
 

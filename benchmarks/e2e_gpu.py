@@ -43,8 +43,9 @@ Sections:
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
 * pattn: the prefill of the last --prompts length at the first --chunk, replay off, three times with
   the attention kernel's prefill form changed (``Numerics.attention_fp4_rows="never"``: the bf16
-  kernel on the decoded compressed cache; ``attention_prefill_split_rows=640``: one split a query; both),
-  to compare with the prefill section's replay-off row on the same machine.
+  kernel on the decoded compressed cache; ``attention_prefill_split_rows=640``: one split a query; both;
+  ``f32-dense``: the dense linears as a float32 dot + convert, ``dense_bf16_out=False``; pick with
+  --pattn), to compare with the prefill section's replay-off row on the same machine.
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -889,6 +890,8 @@ def main(argv=None):
                          "(default: the Numerics default)")
     ap.add_argument("--attention-prefill-split", type=int, default=None,
                     help="Numerics.attention_prefill_split_rows (the attention kernel's split in prefill programs)")
+    ap.add_argument("--pattn", default="bf16-rows,split640,bf16-rows-split640",
+                    help="the pattn section's variants (comma-separated)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an XLA compile option for the engine's programs in every section (EngineConfig."
                          "xla_options; true/false and integers are typed, the rest are strings), repeatable")
@@ -1006,9 +1009,12 @@ def main(argv=None):
         for i, c in enumerate(chunks):
             section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)
     if "pattn" in want:   # A/B of the attention kernel's prefill form against the prefill section's rows
-        for label, change in (("bf16-rows", dict(attention_fp4_rows="never")),
-                              ("split640", dict(attention_prefill_split_rows=640)),
-                              ("bf16-rows-split640", dict(attention_fp4_rows="never", attention_prefill_split_rows=640))):
+        variants = {"bf16-rows": dict(attention_fp4_rows="never"),
+                    "split640": dict(attention_prefill_split_rows=640),
+                    "bf16-rows-split640": dict(attention_fp4_rows="never", attention_prefill_split_rows=640),
+                    "f32-dense": dict(dense_bf16_out=False)}
+        for label in args.pattn.split(","):
+            change = variants[label]
             section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),
                     prompts[-1:], args.chunk, (False,), label)
     if "ptimeline" in want:

@@ -344,7 +344,7 @@ def test_fp4_packed_decoder_replayed_in_numpy_gives_the_arith_values_for_every_e
                                  SparseAttentionConfig(320, row_issue="warps"),
                                  SparseAttentionConfig(320, row_issue="cp_async"),
                                  SparseAttentionConfig(320, fp4_dequant="arith"),
-                                 SparseAttentionConfig(320, fp4_dequant="packed")])
+                                 SparseAttentionConfig(320, fp4_dequant="bits")])
 def test_fp4_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the FP4 variant for CUDA (Mosaic's layout, tiling and copy-size rules). Its numerics
     are checked on the H200 (`benchmarks/attention_gpu.py --sections fp4`): the Mosaic GPU interpreter

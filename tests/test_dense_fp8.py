@@ -229,3 +229,30 @@ def test_dense_kernel_modes_per_program():
     with pytest.raises(ValueError, match="dense_kernel"):
         Numerics(dense_kernel="always")
     assert Numerics(kernels="dense=xla").kernel_mode("dense") == "xla"
+
+
+def test_bf16_output_dense_is_one_dot_with_the_f32_forms_bits_on_the_cpu():
+    """``Numerics.dense_bf16_out``: bf16 operands to a bf16 result are one dot asking for bf16 (no f32
+    result, no convert); off, an f32 dot and a convert. Both forms at the model's kinds of shapes give
+    the same bits on the CPU, as benchmarks/bf16_out_dot_gpu.py found on the H100 (its check is the
+    GPU's); the default (None) is the f32 form off the GPU."""
+    from deepinfer_jax.model.linear import dense
+
+    on = dataclasses.replace(Numerics.reference(), dense_bf16_out=True)
+    off = dataclasses.replace(Numerics.reference(), dense_bf16_out=False)
+    assert not Numerics.reference().bf16_out_dense()          # the CPU's default
+    rng = np.random.default_rng(3)
+    for m, n, k in ((1, 64, 512), (37, 96, 1280), (300, 256, 2304)):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+        eqns = {name: jax.make_jaxpr(lambda a, b, nq=nq: dense(a, b, nq, jnp.bfloat16))(x, w).eqns
+                for name, nq in (("on", on), ("off", off))}
+        assert [e.primitive.name for e in eqns["on"]] == ["dot_general"]
+        assert eqns["on"][0].params["preferred_element_type"] == jnp.bfloat16
+        assert [e.primitive.name for e in eqns["off"]][-1] == "convert_element_type"
+        got, want = (np.asarray(jax.jit(lambda a, b, nq=nq: dense(a, b, nq, jnp.bfloat16))(x, w)).view(np.uint16)
+                     for nq in (on, off))
+        assert np.array_equal(got, want), (m, n, k)
+    # f32 results and f32 weights keep the f32 dot
+    x32 = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    assert dense(x32, x32[:8], on).dtype == jnp.float32

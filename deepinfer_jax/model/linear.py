@@ -59,7 +59,12 @@ def dot_f32(x: jax.Array, w_oi: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, w_oi: jax.Array, numerics: Numerics, out_dtype=None) -> jax.Array:
-    """x[..., in] @ w[out, in]^T with fp32 accumulation."""
+    """x[..., in] @ w[out, in]^T with fp32 accumulation (bf16 operands to a bf16 out_dtype: the GEMM
+    rounds its f32 sums once, where ``Numerics.bf16_out_dense``; else an f32 dot and a convert)."""
+    if (out_dtype is not None and jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.bfloat16
+            and w_oi.dtype == jnp.bfloat16 and numerics.bf16_out_dense()):
+        return jnp.einsum("...i,oi->...o", x, w_oi, precision=numerics.precision,
+                          preferred_element_type=jnp.bfloat16)
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32) if w_oi.dtype == jnp.float32 else x, w_oi,
                    precision=numerics.precision, preferred_element_type=jnp.float32)
     return y if out_dtype is None else y.astype(out_dtype)

@@ -70,6 +70,13 @@ class Numerics:
     # on a GPU backend only: XLA:CPU's bf16 dot gave a row other bits when the row count changed (the
     # 8-device data-parallel test, tests/test_sharding.py), and the CPU gains nothing from it.
     stream_dot_bf16: bool | None = None
+    # The dense linears' bf16 results straight from the dot (f32 accumulation inside the GEMM, one
+    # rounding at its end) instead of a float32 dot and a convert: at prefill on jax 0.11.2 cuBLAS wrote
+    # wq_b's f32 [8192, 32768] (1.07 GB) and a separate kernel rounded it. On the H100 (2026-12-06,
+    # benchmarks/bf16_out_dot_gpu.py) every linear's bf16-output dot gave the bits of the f32 dot +
+    # convert at 64 and 8,192 rows, 1.12-1.74x faster at 8,192. None = on a GPU backend only (the CPU
+    # keeps the f32 form it was tested with; XLA:CPU's bf16 dots are not batch-invariant, see above).
+    dense_bf16_out: bool | None = None
     # The largest E8M0 byte of the routed experts' FP4 scales, when the engine has read the weights
     # (``moe.prepare_experts_for_kernel``); None = not known. At <= 128 the grouped GEMM may decode FP4
     # with its cheaper "subnormal" decoder (exact for those scales only): measured 0.752 -> 0.615 ms for
@@ -180,6 +187,12 @@ class Numerics:
         if self.sinkhorn_unroll is None:
             return jax.default_backend() == "gpu"
         return self.sinkhorn_unroll
+
+    def bf16_out_dense(self) -> bool:
+        """``dense_bf16_out`` resolved: None means on a GPU backend only."""
+        if self.dense_bf16_out is None:
+            return jax.default_backend() == "gpu"
+        return self.dense_bf16_out
 
     def bf16_stream_dot(self) -> bool:
         """``stream_dot_bf16`` resolved: None means on a GPU backend only."""
