@@ -41,11 +41,12 @@ Sections:
   jax.profiler, after a warm-up compile: GPU busy time against wall time, and busy time by kernel name.
   With ``E2E_HLO_DUMP=DIR XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*prefill.*"`` each
   kernel is shown with the jax op it came from (``.*decode.*`` does the same for the timeline section).
-* pattn: the prefill of the last --prompts length at the first --chunk, replay off, three times with
-  the attention kernel's prefill form changed (``Numerics.attention_fp4_rows="never"``: the bf16
-  kernel on the decoded compressed cache; ``attention_prefill_split_rows=640``: one split a query; both;
-  ``f32-dense``: the dense linears as a float32 dot + convert, ``dense_bf16_out=False``; pick with
-  --pattn), to compare with the prefill section's replay-off row on the same machine.
+* pattn: the prefill of the last --prompts length at the first --chunk, replay off, once per --pattn
+  variant, each the defaults with one thing set back to its form before 2026-12-06: ``fp4-rows-split320``
+  (the attention kernel's FP4 variant with two splits a query, ``Numerics.attention_fp4_rows="always"``,
+  ``attention_prefill_split_rows=0``), ``fp4-rows`` or ``split320`` (one of the two), ``f32-dense`` (the
+  dense linears as a float32 dot + convert, ``dense_bf16_out=False``): to compare with the prefill
+  section's replay-off row on the same machine.
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -890,7 +891,7 @@ def main(argv=None):
                          "(default: the Numerics default)")
     ap.add_argument("--attention-prefill-split", type=int, default=None,
                     help="Numerics.attention_prefill_split_rows (the attention kernel's split in prefill programs)")
-    ap.add_argument("--pattn", default="bf16-rows,split640,bf16-rows-split640",
+    ap.add_argument("--pattn", default="fp4-rows-split320,fp4-rows,split320,f32-dense",
                     help="the pattn section's variants (comma-separated)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an XLA compile option for the engine's programs in every section (EngineConfig."
@@ -1009,9 +1010,9 @@ def main(argv=None):
         for i, c in enumerate(chunks):
             section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)
     if "pattn" in want:   # A/B of the attention kernel's prefill form against the prefill section's rows
-        variants = {"bf16-rows": dict(attention_fp4_rows="never"),
-                    "split640": dict(attention_prefill_split_rows=640),
-                    "bf16-rows-split640": dict(attention_fp4_rows="never", attention_prefill_split_rows=640),
+        variants = {"fp4-rows-split320": dict(attention_fp4_rows="always", attention_prefill_split_rows=0),
+                    "fp4-rows": dict(attention_fp4_rows="always"),
+                    "split320": dict(attention_prefill_split_rows=0),
                     "f32-dense": dict(dense_bf16_out=False)}
         for label in args.pattn.split(","):
             change = variants[label]

@@ -233,7 +233,11 @@ def test_attention_numerics_per_program_and_validation():
     dec, pre = nq.for_program("decode"), nq.for_program("prefill")
     assert (dec.attention_fp4_rows, dec.attention_split_rows) == ("always", 320)
     assert (pre.attention_fp4_rows, pre.attention_split_rows) == ("never", 640)
-    same = Numerics.reference()
+    default = Numerics.reference()     # the defaults: the same as nq above
+    assert (default.attention_fp4_rows, default.attention_split_rows, default.attention_prefill_split_rows) == \
+        ("decode", 320, 640)
+    assert default.for_program("prefill") == pre and default.for_program("decode") == dec
+    same = dataclasses.replace(default, attention_prefill_split_rows=0)
     assert same.for_program("prefill").attention_split_rows == same.attention_split_rows == 320
     for bad in (dict(attention_fp4_rows="prefill"), dict(attention_split_rows=0), dict(attention_split_rows=100),
                 dict(attention_prefill_split_rows=-64), dict(attention_prefill_split_rows=96)):

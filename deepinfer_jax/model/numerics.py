@@ -113,13 +113,17 @@ class Numerics:
     # bf16 kernel, whose consumers skip the dequant that an in-kernel profile put at ~30 % of a CTA's time,
     # benchmarks/NOTES.md item -26) or "never". The FP4 variant sums a row's columns in another order, so
     # a token's bits depend on the program kind, which the request alone decides, never on the batch.
-    # Model calls outside the engine's programs read "decode" as "always".
-    attention_fp4_rows: str = "always"
+    # Model calls outside the engine's programs read "decode" as "always". On the H100 (2026-12-06) a
+    # 1,024-query prefill call took 403 us this way (with a 640-row split) against 991 us for the FP4
+    # variant (pallas_kernels/attention/README.md), so "decode" is the default.
+    attention_fp4_rows: str = "decode"
     # The attention kernel's ``SparseAttentionConfig.split_rows`` (selected rows a CTA reduces; more rows
     # go to more CTAs, merged in a fixed order): a static choice, so rows stay batch-invariant. In the
-    # engine's prefill programs ``attention_prefill_split_rows`` when it is set (0: the same).
+    # engine's prefill programs ``attention_prefill_split_rows`` when it is set (0: the same). Decode
+    # keeps 320 (two CTAs a query fill the GPU at B = 64); prefill has CTAs to spare and takes one split a
+    # query of V4.1's 640 rows: half the CTAs' fixed work, no float32 partials to merge.
     attention_split_rows: int = 320
-    attention_prefill_split_rows: int = 0
+    attention_prefill_split_rows: int = 640
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
