@@ -179,6 +179,26 @@ def test_kernel_in_gpu_interpreter_is_batch_invariant():
     assert np.array_equal(_bits(among[2]), _bits(alone[0]))
 
 
+def test_split_trimmed_to_the_index_rows_changes_no_bits():
+    """A split longer than the index list runs only the blocks the list fills (``kernel._trimmed``):
+    K = 100 under split 320 runs 2 blocks, and gives bitwise what the same list padded with -1 to 320
+    entries (5 blocks, no trim) gives: rows of -1 add exactly nothing. Two splits are never trimmed."""
+    from pallas_kernels.attention.kernel import _trimmed, sparse_sink_attention_pallas
+
+    assert _trimmed(SparseAttentionConfig(320), 100).split_rows == 128
+    assert _trimmed(SparseAttentionConfig(640), 640).split_rows == 640
+    assert _trimmed(SparseAttentionConfig(320), 640).split_rows == 320          # two splits: as configured
+    rng = np.random.default_rng(8)
+    q, kv, idx, sink = _inputs(rng, 1, 2, 4, 128, 90, 100)
+    idx[0, 1, :64] = -1                                                         # a whole block of skips too
+    padded = np.concatenate([idx, np.full((1, 2, 220), -1, np.int32)], axis=-1)
+    cfg = SparseAttentionConfig(split_rows=320)
+    with _interpret():
+        short, full = (sparse_sink_attention_pallas(q, kv, jnp.asarray(i), sink, 0.1, cfg) for i in (idx, padded))
+    assert not races_found()
+    assert np.array_equal(_bits(short), _bits(full))
+
+
 def test_kernel_pv_column_split_changes_no_bits():
     """pv_cols only cuts the p.kv output columns into narrower wgmmas: no sum changes, so the same bits."""
     from pallas_kernels.attention.kernel import sparse_sink_attention_pallas

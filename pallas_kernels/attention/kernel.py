@@ -34,6 +34,7 @@ interpreter run this kernel on a CPU (tests/test_attention_kernel.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -429,6 +430,14 @@ def _head_groups(q_bthd: jax.Array, sink_h: jax.Array) -> tuple[jax.Array, jax.A
     return q, sink, groups
 
 
+def _trimmed(config: SparseAttentionConfig, k: int) -> SparseAttentionConfig:
+    """config with a split no longer than k rows (rounded up to whole blocks) when one split holds them:
+    the blocks past the last index would be all -1, whose rows add exactly nothing (p = 0, alpha = 1),
+    so the same bits in fewer blocks (a window-only layer's 128 rows: 2 blocks, not 5 or 10)."""
+    fit = -(-k // BLOCK_ROWS) * BLOCK_ROWS
+    return dataclasses.replace(config, split_rows=fit) if 0 < fit < config.split_rows else config
+
+
 def _split_blocks(idx_bk: jax.Array, groups: int, config: SparseAttentionConfig) -> jax.Array:
     """Index rows [B*T, splits*split_rows] -> [B*T*groups, splits, blocks, 64], one copy per head group."""
     n_splits = idx_bk.shape[1] // config.split_rows
@@ -464,6 +473,7 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
 
     q, sink, groups = _head_groups(q_bthd, sink_h)
     k = idx_btk.shape[2]
+    config = _trimmed(config, k)
     n_splits = config.num_splits(k)
     kp = n_splits * config.split_rows
     idx = jnp.pad(idx_btk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
@@ -511,6 +521,7 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
 
     kw = -(-win_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
     kc = -(-comp_idx_btk.shape[2] // BLOCK_ROWS) * BLOCK_ROWS
+    config = _trimmed(config, kw + kc)
     n_splits = config.num_splits(kw + kc)
     kp = n_splits * config.split_rows
     pad = lambda ix, k: jnp.pad(ix.astype(jnp.int32), ((0, 0), (0, 0), (0, k - ix.shape[2])),  # noqa: E731
