@@ -148,9 +148,10 @@ def main(argv=None) -> int:
 
     cfg = slice_config(args.layers)
     params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off")
-    # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot, the cheaper FP4 decoder the slice allows
+    # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
+    # decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
-                                   fp4_scale_max=127, expert_operands=args.expert_operands,
+                                   dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
                                    dense_kernel=args.dense_kernel)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)

@@ -938,10 +938,11 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.attention_fp4_rows:
         numerics = dataclasses.replace(numerics, attention_fp4_rows=args.attention_fp4_rows)
-    if args.attention_prefill_split:
+    if args.attention_prefill_split is not None:
         numerics = dataclasses.replace(numerics, attention_prefill_split_rows=args.attention_prefill_split)
     RESULTS["attention"] = dict(fp4_rows=numerics.attention_fp4_rows, split_rows=numerics.attention_split_rows,
                                 prefill_split_rows=numerics.attention_prefill_split_rows)
+    RESULTS["dense_bf16_out"] = numerics.bf16_out_dense()
     RESULTS["dense_kernel"] = numerics.dense_kernel
     params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
