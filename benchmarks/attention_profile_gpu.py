@@ -1,7 +1,9 @@
 """Where the time of one CTA of the sparse-attention kernel goes, phase by phase (Mosaic GPU's profiler).
 
 Run on the H200 from the repo root:  PYTHONPATH=. python3 benchmarks/attention_profile_gpu.py [--out DIR]
-                                       [--cases decode_fp4,decode_bf16,prefill_fp4] [--sm-clock-mhz MHZ]
+                                       [--cases decode_fp4,decode_bf16,prefill_fp4,prefill_bf16]
+                                       [--split-rows 320,640] [--config FIELD=VALUE,...] [--no-profile]
+                                       [--sm-clock-mhz MHZ]
 
 Cases (640 rows a query: 128 window rows, bf16, and 512 of a compressed cache of 8,192 rows; 64 heads,
 D = 512, split_rows 320, i.e. two CTAs a query of five 64-row blocks each):
@@ -9,6 +11,10 @@ D = 512, split_rows 320, i.e. two CTAs a query of five 64-row blocks each):
   decode_bf16  the same problem, the compressed cache decoded to bf16 first (outside the timed call),
                ``sparse_sink_attention_pallas``.
   prefill_fp4  B = 1, T = 1024 (a prefill chunk; the rows fit in L2), the FP4 variant.
+  prefill_bf16 the same prefill problem on the decoded cache, the bf16 kernel (the prefill programs' form
+               since 2026-12-06).
+Each case runs at every --split-rows and every --config set (';' separates sets); --no-profile times
+only (the kernel and the whole call, whose wrapper work and split merge count too).
 
 Per case: the kernel's default config is called (compile, warm) and its kernel timed by CUPTI; then
 ``SparseAttentionConfig(profile_dir=..., profile_ranges=...)``, another static config and so a second
