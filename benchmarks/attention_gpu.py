@@ -434,7 +434,7 @@ def main():
     ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
                     help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2|/w|/c]")
     # Each FP4 kernel shape compiles in ~15-30 s on the H200; the default pair keeps the section near 4 minutes.
-    ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split320/arith,bf16-decoded/kernel")
+    ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split320/bits,bf16-decoded/kernel")
     ap.add_argument("--fp4-contexts", default="8192,32768,131072")
     args = ap.parse_args()
     dev = jax.devices()[0]
