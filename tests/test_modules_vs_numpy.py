@@ -55,6 +55,26 @@ def test_rope(ratio):
     close(back, x[:5], 1e-5)
 
 
+def test_rope_leaves_the_other_columns_bit_exact():
+    """apply_rope selects the rotated columns into x (rope.py says why not a concatenate): the first
+    D - rope_dim columns must come back bit for bit, -0.0 and NaN included, in bf16 and fp32, and the
+    rotated ones must be the pair rotation of the rope columns alone."""
+    inv = rope_inv_freq(RopeSpec(10000.0, 1.0, 32, 1, 65536), 16)
+    pos = jnp.asarray([3, 70000])[:, None, None]
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng().standard_normal((2, 5, 3, 48)), dtype)
+        x = x.at[0, 0, 0, :3].set(jnp.asarray([-0.0, jnp.nan, -jnp.inf], dtype))
+        for inverse in (False, True):
+            rope = jax.jit(lambda x, p, inverse=inverse: apply_rope(x, p, inv, inverse))
+            got = rope(x, pos)
+            bits = jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32
+            same = jax.lax.bitcast_convert_type(got[..., :32], bits) == jax.lax.bitcast_convert_type(x[..., :32], bits)
+            assert bool(same.all())
+            alone = rope(x[..., 32:], pos)   # (both jitted: eager fp32 sin/cos differ from XLA:CPU's in ulps)
+            assert bool((jax.lax.bitcast_convert_type(got[..., 32:], bits)
+                         == jax.lax.bitcast_convert_type(alone, bits)).all())
+
+
 @pytest.mark.parametrize("unroll", [False, True], ids=["loop", "unrolled"])
 def test_mhc_mixes_and_apply(unroll):
     import jax

@@ -32,13 +32,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse
 
     x: [..., T, (heads,) dim] with positions broadcastable to x.shape[:-1] after adding the heads axis by
     the caller. Math in fp32, result in x.dtype.
+
+    The rotated columns are padded back to full width and selected by column, not concatenated to the
+    untouched ones: XLA:GPU kept a concatenate's operands as kernels of their own when x came from
+    another fusion (the decode step's attention output: two slices and a concatenate, three launches a
+    layer where one does; deviceless H200 compile). Same values: the select copies x's columns exactly.
     """
     rope_dim = 2 * inv_freq.shape[0]
-    nope, rot = x[..., :-rope_dim], x[..., -rope_dim:].astype(jnp.float32)
+    nope = x.shape[-1] - rope_dim
+    rot = x[..., nope:].astype(jnp.float32)
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if inverse:
         sin = -sin
     a, b = rot[..., 0::2], rot[..., 1::2]
-    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
-    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape).astype(x.dtype)
+    if nope == 0:
+        return out
+    out = jnp.pad(out, [(0, 0)] * (x.ndim - 1) + [(nope, 0)])
+    is_rope = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) >= nope
+    return jnp.where(is_rope, out, x)
