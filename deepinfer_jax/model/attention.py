@@ -188,7 +188,8 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     q = quant_linear(qr, p["wq_b"], numerics, act_block=ab).reshape(b, t, h, hd)
     if cfg.per_head_q_norm:  # V4: unweighted RMS norm of each head (V4.1 has none)
         q = rms_norm(q, None, eps, dt)
-    q = apply_rope(q, pos_bt[..., None], inv_freq)
+    # (concatenated: at decode XLA fuses that, not the select, with the FP4 kernel's permutation of q)
+    q = apply_rope(q, pos_bt[..., None], inv_freq, join="concatenate")
 
     kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics, act_block=ab), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)

@@ -27,7 +27,8 @@ def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> np.ndarray:
     return freq * (1 - ramp) + freq / spec.yarn_factor * ramp
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False,
+               join: str = "select") -> jax.Array:
     """Rotate adjacent pairs of x[..., -rope_dim:] by position * inv_freq.
 
     x: [..., T, (heads,) dim] with positions broadcastable to x.shape[:-1] after adding the heads axis by
@@ -37,6 +38,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse
     untouched ones: XLA:GPU kept a concatenate's operands as kernels of their own when x came from
     another fusion (the decode step's attention output: two slices and a concatenate, three launches a
     layer where one does; deviceless H200 compile). Same values: the select copies x's columns exactly.
+    join="concatenate" keeps the concatenate, for a consumer XLA fuses with it but not with the select
+    (the FP4 attention kernel's column permutation of q).
     """
     rope_dim = 2 * inv_freq.shape[0]
     nope = x.shape[-1] - rope_dim
@@ -49,6 +52,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse
     out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape).astype(x.dtype)
     if nope == 0:
         return out
+    if join == "concatenate":
+        return jnp.concatenate([x[..., :nope], out], axis=-1)
     out = jnp.pad(out, [(0, 0)] * (x.ndim - 1) + [(nope, 0)])
     is_rope = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) >= nope
     return jnp.where(is_rope, out, x)
