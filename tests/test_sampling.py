@@ -110,6 +110,21 @@ def _keep_reference(x, top_k, top_p, min_p):
     return keep & (q >= min_p * q.max() - 1e-12), ambiguous
 
 
+def test_top_p_ranks_by_probability_then_id():
+    """top-p's order is (probability descending, id ascending): two values 1e-9 apart round to one
+    probability, and the nucleus that has room for one of them takes the lower id, though its value is
+    the smaller. A value-ordered search would take id 7."""
+    xs = np.full((1, 16), -30.0, np.float32)
+    xs[0, 0], xs[0, 3], xs[0, 7] = 2.0, 0.0, 1e-9
+    xs = jnp.asarray(xs)
+    keep = sampling_mod.alive_keep(xs)
+    q = sampling_mod.renormalise(xs, keep)
+    assert float(q[0, 3]) == float(q[0, 7]) and float(xs[0, 7]) > float(xs[0, 3])
+    top_p = float(q[0, 0]) + 0.5 * float(q[0, 3])   # room for exactly one of the tied pair after id 0
+    got = np.flatnonzero(np.asarray(sampling_mod.top_p_keep(keep, q, jnp.asarray([top_p], jnp.float32))[0]))
+    assert got.tolist() == [0, 3]
+
+
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0), (10, 0.8, 0.0),
                                                (0, 1.0, 0.2), (7, 0.95, 0.05), (1, 1.0, 0.0)])
 def test_filtering_matches_the_sort_reference(top_k, top_p, min_p):

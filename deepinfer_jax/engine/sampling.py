@@ -8,8 +8,10 @@ A row's sample is a function of its own logits, its own parameters and its own k
 * the Gumbel noise is drawn per row with the row's own [V] shape inside ``vmap`` (threefry is exact under
   vmap), never as one [B, V] block from a shared key, and it is indexed by token id, so filtering never
   changes which noise value a token gets;
-* top-k / top-p / min-p are computed within the row, over the order (value descending, token id
-  ascending): ties go to the lower id. The k-th value and the nucleus boundary are found by a search on
+* top-k / top-p / min-p are computed within the row: top-k over the order (value descending, token id
+  ascending), top-p over (probability descending, token id ascending), the same order except where
+  distinct values round to one probability; ties go to the lower id. The k-th value and the nucleus
+  boundary are found by a search on
   the float bits (exact; 16 masked passes over the row, each summing three thresholds' counts or masses)
   instead of a full sort of the 129k vocabulary (XLA:CPU sorts 4 such rows in ~120 ms; the searches take
   a fraction of that);
@@ -302,13 +304,17 @@ def renormalise(xs_bv: jax.Array, keep_bv: jax.Array) -> jax.Array:
     return q / jnp.sum(q, axis=-1, keepdims=True)
 
 
-def top_p_keep(xs_bv: jax.Array, keep_bv: jax.Array, q_bv: jax.Array, top_p_b: jax.Array,
-               bits: int = SEARCH_BITS) -> jax.Array:
-    """bool[B, V]: the nucleus within each row's kept set: tokens in the order (value descending, id
-    ascending) while the mass before them is < top_p (rows with top_p 1: keep_bv). The boundary value is
-    found by a search on the float bits, weighted by q."""
-    key = _order_key(xs_bv)
-    t_p = _least_key_below(key, jnp.where(keep_bv, q_bv, 0.0), top_p_b, bits)
+def top_p_keep(keep_bv: jax.Array, q_bv: jax.Array, top_p_b: jax.Array, bits: int = SEARCH_BITS) -> jax.Array:
+    """bool[B, V]: the nucleus within each row's kept set: tokens in the order (probability descending, id
+    ascending) while the mass before them is < top_p (rows with top_p 1: keep_bv). q_bv: ``renormalise``'s
+    probabilities (0 off the kept set). The boundary is found by a search on q's float bits.
+
+    Why q's order and not the value's (top-k's): q >= 0, so its bits are already an order key, and each
+    search pass reads q alone (4 bytes a token) instead of a value key and a mass (8): the passes are
+    memory-bound (~24 us each over [64, 129280] on the H100; NOTES item -19). The two orders differ only
+    where distinct values round to one probability, which the probability order ranks by id."""
+    key = jax.lax.bitcast_convert_type(q_bv, jnp.uint32)
+    t_p = _least_key_below(key, q_bv, top_p_b, bits)
     nucleus = _first_n_of_ties(key, keep_bv, t_p, q_bv, top_p_b)
     return jnp.where((top_p_b < 1.0)[:, None], nucleus, keep_bv)
 
@@ -364,7 +370,7 @@ def filter_steps(xs_bv: jax.Array, rows: dict, plan: SamplerPlan) -> tuple[jax.A
     keep = _top_k_keep_step(xs_bv, rows["top_k"], bits=bits) if plan.top_k else _alive_keep_step(xs_bv)
     q = _renormalise_step(xs_bv, keep)
     if plan.top_p:
-        keep = _top_p_keep_step(xs_bv, keep, q, rows["top_p"], bits=bits)
+        keep = _top_p_keep_step(keep, q, rows["top_p"], bits=bits)
     return keep, q
 
 
