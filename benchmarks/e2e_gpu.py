@@ -772,7 +772,9 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
         sch = scheduler(m, numerics, 1, max_len, chunk, bounded_replay=br)
         t = time.time()  # warm-up: compiles the prefill programs (and the upper one) at this engine shape
         with compile_log() as compile_events:
-            sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, 2 * chunk + 5)],
+            # (two chunks and a bit, or what the context holds: a chunk as long as the prompt)
+            warm = min(2 * chunk + 5, max_len - 2)
+            sch.run([Request("warm", [int(x) for x in rng.integers(3, 120000, warm)],
                              SamplingParams(max_tokens=1))])
         compile_s = time.time() - t
         for n in prompts:
