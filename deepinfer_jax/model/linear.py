@@ -161,8 +161,14 @@ def quant_linear_pair(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None,
 
 
 def plain_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, compute_dtype=None) -> jax.Array:
-    """A BF16-weight linear (no activation quantization); compute_dtype=float32 promotes like the reference."""
+    """A BF16-weight linear (no activation quantization); compute_dtype=float32 promotes like the reference.
+
+    With float32 compute on bf16 x and weight, the dot is ``dot_f32``'s bf16-operand form: the same
+    exact products, summed in float32 in another order. The V4.1 ratio-2 compressor's wkv + wgate ran as
+    an fp32 GEMM on the CUDA cores (8 x 1.78 ms of the H200 slice's 32k prefill, session 24 trace)."""
     cd = compute_dtype or numerics.dtype
+    if jnp.dtype(cd) == jnp.float32 and x.dtype == jnp.bfloat16 and p["weight"].dtype == jnp.bfloat16:
+        return dot_f32(x, p["weight"]).astype(out_dtype or numerics.dtype)
     return dense(x.astype(cd), p["weight"].astype(cd), numerics, out_dtype or numerics.dtype)
 
 
