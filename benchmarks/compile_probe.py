@@ -70,7 +70,7 @@ def resolve_as_cuda() -> None:
     platform.step_compiler_options = lambda platform=None, **kw: options("cuda", **kw)
 
 
-def abstract_params(cfg, dense_kernel: bool = False):
+def abstract_params(cfg, dense_kernel: bool = False, dense_linears=None):
     """The slice's params as the GPU engine holds them (kernel-layout expert scales, dense FP8 as bf16 or,
     with dense_kernel, split for the kernel; mHC's split stream-mix weights), as ShapeDtypeStructs."""
     from deepinfer_jax.model.dense_fp8 import prepare_dense_fp8
@@ -90,7 +90,7 @@ def abstract_params(cfg, dense_kernel: bool = False):
             node = node.setdefault(p, {})
         node[path[-1]] = jax.ShapeDtypeStruct((counts[path], *shape) if path in counts else shape, JNP_DTYPES[dtype])
     tree["layers"] = tuple(tree["layers"][i] for i in range(cfg.num_hidden_layers))
-    dense = (lambda p: prepare_dense_fp8(p, cfg)) if dense_kernel else (lambda p: p)
+    dense = (lambda p: prepare_dense_fp8(p, cfg, linears=dense_linears)) if dense_kernel else (lambda p: p)
     return jax.eval_shape(lambda p: prepare_stream_dots(dequantize_dense_fp8(dense(prepare_expert_scales(p)))), tree)
 
 
@@ -135,7 +135,10 @@ def main(argv=None) -> int:
                     help="Numerics.expert_operands (the FP4 experts' kernel operands)")
     ap.add_argument("--dense-kernel", default="off", choices=("off", "on", "decode"),
                     help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel)")
+    ap.add_argument("--dense-kernel-linears", default=None,
+                    help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names")
     args = ap.parse_args(argv)
+    linears = tuple(args.dense_kernel_linears.split(",")) if args.dense_kernel_linears else None
 
     sharding = compile_only_sharding(args.target_config)
     resolve_as_cuda()
@@ -147,12 +150,12 @@ def main(argv=None) -> int:
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
-    params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off")
+    params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off", dense_linears=linears)
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
     # decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
-                                   dense_kernel=args.dense_kernel)
+                                   dense_kernel=args.dense_kernel, dense_kernel_linears=linears)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)

@@ -888,6 +888,9 @@ def main(argv=None):
     ap.add_argument("--dense-kernel", default=None, choices=("off", "on", "decode"),
                     help="Numerics.dense_kernel: the dense FP8 linears on the grouped GEMM kernel (default: the "
                     "Numerics default); with the densexla section, the A/B against XLA's bf16 dots")
+    ap.add_argument("--dense-kernel-linears", default=None,
+                    help="Numerics.dense_kernel_linears: with --dense-kernel, only these linears (comma-separated "
+                    "dense_fp8.DENSE_LINEARS names, e.g. wo_a,wo_b,shared.w13) on the kernel; the rest XLA's dots")
     ap.add_argument("--attention-fp4-rows", default=None, choices=("always", "decode", "never"),
                     help="Numerics.attention_fp4_rows: the attention kernel's form for the FP4 compressed cache "
                          "(default: the Numerics default)")
@@ -938,6 +941,8 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
+    if args.dense_kernel_linears:
+        numerics = dataclasses.replace(numerics, dense_kernel_linears=tuple(args.dense_kernel_linears.split(",")))
     if args.attention_fp4_rows:
         numerics = dataclasses.replace(numerics, attention_fp4_rows=args.attention_fp4_rows)
     if args.attention_prefill_split is not None:
@@ -946,6 +951,7 @@ def main(argv=None):
                                 prefill_split_rows=numerics.attention_prefill_split_rows)
     RESULTS["dense_bf16_out"] = numerics.bf16_out_dense()
     RESULTS["dense_kernel"] = numerics.dense_kernel
+    RESULTS["dense_kernel_linears"] = numerics.dense_kernel_linears
     params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
@@ -966,7 +972,7 @@ def main(argv=None):
         if numerics.dense_kernel != "off":    # as the engine: dense FP8 linears held for the kernel
             # (the densexla A/B reads the engine's other form, bf16 copies; only the dense leaves differ)
             params_dense_xla = dequantize_dense_fp8(params) if "densexla" in want else None
-            params = prepare_dense_fp8(params, cfg)
+            params = prepare_dense_fp8(params, cfg, linears=numerics.dense_kernel_linears)
         params = dequantize_dense_fp8(params)
     if numerics.bf16_stream_dot():       # as the engine does: mHC's bf16 weight parts made once
         params = prepare_stream_dots(params)

@@ -198,6 +198,31 @@ def test_prepared_tiny_model_keeps_its_logits_bits(tiny_params, tiny_cfg, tiny_t
         assert np.array_equal(got, want), numerics.dense_kernel
 
 
+def test_prepare_holds_only_the_selected_linears(tiny_params, tiny_cfg, tiny_token_map):
+    """``linears=`` (``Numerics.dense_kernel_linears``): only the named linears are held for the kernel,
+    every other stays a bf16 copy for XLA's dots, and the logits keep their bits; unknown names are
+    refused where they are given."""
+    from test_model_consistency import _prompts, run_chunks
+
+    chosen = ("wo_a", "wo_b", "shared.w13")
+    prepared = dense_fp8.prepare_dense_fp8(tiny_params, tiny_cfg, block_n=32, block_k=32, linears=chosen)
+    k = dense_fp8.KERNEL_FP8
+    held = {dense_fp8.linear_name(path[:path.index(k)]) for path, _ in tree_paths(prepared) if k in path}
+    assert held == set(chosen)
+    layer = prepared["layers"][0]
+    assert dense_fp8.is_prepared(layer["attn"]["wo_a"]) and not dense_fp8.is_prepared(layer["attn"]["wq_b"])
+    prompts = _prompts(tiny_cfg, 2, [14, 9], seed=7)
+    nq = dataclasses.replace(Numerics.reference(), dense_kernel="on", dense_kernel_linears=chosen)
+    want = run_chunks(dequantize_dense_fp8(tiny_params), tiny_cfg, tiny_token_map, prompts, 7, Numerics.reference())
+    assert np.array_equal(run_chunks(dequantize_dense_fp8(prepared), tiny_cfg, tiny_token_map, prompts, 7, nq), want)
+    with pytest.raises(ValueError, match="unknown"):
+        dense_fp8.prepare_dense_fp8(tiny_params, tiny_cfg, linears=("wo_c",))
+    with pytest.raises(ValueError, match="unknown"):
+        Numerics(dense_kernel_linears=("w13",))
+    with pytest.raises(ValueError, match="tuple"):
+        Numerics(dense_kernel_linears="wo_a")
+
+
 def test_shared_expert_pair_on_one_launch_matches_two_linears():
     """A shared expert's w1 and w3 held as one linear ("w13"): XLA's route gives two quant_linear
     calls' bits; the kernel (interpreter) one launch within float32 summation order of them."""

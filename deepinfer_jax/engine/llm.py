@@ -155,7 +155,7 @@ class LLM:
             self.params, self.numerics = prepare_experts_for_kernel(self.params, self.numerics,
                                                                     tile_major=mesh is None, donate=True)
             if self.numerics.dense_kernel != "off" and mesh is None:
-                self.params = prepare_dense_fp8(self.params, self.cfg)
+                self.params = prepare_dense_fp8(self.params, self.cfg, linears=self.numerics.dense_kernel_linears)
             self.params = dequantize_dense_fp8(self.params)
         if self.numerics.bf16_stream_dot():
             self.params = prepare_stream_dots(self.params)

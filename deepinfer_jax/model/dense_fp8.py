@@ -30,19 +30,48 @@ def is_prepared(p: dict) -> bool:
     return isinstance(p, dict) and KERNEL_FP8 in p
 
 
+# The names ``prepare_dense_fp8(linears=...)`` (``Numerics.dense_kernel_linears``) selects by: the linear's
+# own key, prefixed by "indexer." or "shared." inside those modules ("shared.w13": w1 and w3 as one
+# launch; "shared.w1" / "shared.w3": each its own, when w13 is not selected).
+DENSE_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b", "shared.w13", "shared.w1", "shared.w3",
+                 "shared.w2")
+
+
+def linear_name(path: tuple) -> str:
+    """A dense linear's name in ``DENSE_LINEARS`` from its params path (keys; the last is the linear's)."""
+    for module, prefix in (("indexer", "indexer."), ("shared_experts", "shared.")):
+        if module in path[:-1]:
+            return prefix + str(path[-1])
+    return str(path[-1])
+
+
+def check_linear_names(names) -> None:
+    unknown = sorted(set(names) - set(DENSE_LINEARS))
+    if unknown:
+        raise ValueError(f"dense kernel linears {unknown} unknown; known: {list(DENSE_LINEARS)}")
+
+
 def _groups_of(path: tuple, cfg) -> int:
     """attention's wo_a is o_groups linears stacked along its rows (the grouped einsum); others one."""
     return cfg.o_groups if path and path[-1] == "wo_a" else 1
 
 
-def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k: int | None = None) -> dict:
+def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k: int | None = None,
+                      linears=None) -> dict:
     """params with each dense FP8 linear that the kernel can take held as {"kernel_fp8": DenseFp8Weights}
     (K split by ``dense.split_for``); a shared expert's w1 and w3 as one such linear "w13" (w1's rows,
     then w3's: ``linear.quant_linear_pair``); the others, and everything else, unchanged. Single-device params
     (no mesh layouts). Call ``linear.dequantize_dense_fp8`` after it for the ones left.
     block_n / block_k: the tile the linears must fit (default the dense form's; smaller only for tests of
-    the held layout on tiny models, whose linears the kernel then does not take)."""
+    the held layout on tiny models, whose linears the kernel then does not take).
+    linears: the names (``DENSE_LINEARS``) to hold for the kernel; None: every one it can take. On an H100
+    the kernel beat XLA's bf16 dots on wo_a, wo_b and the shared w13 only (session 25), so a subset is the
+    form worth timing (``Numerics.dense_kernel_linears``)."""
     from deepinfer_jax.model.linear import is_dense_fp8_linear, rewrite_nodes   # (linear imports this module)
+
+    if linears is not None:
+        check_linear_names(linears)
+    wanted = (lambda name: True) if linears is None else (lambda name: name in linears)
 
     split = jax.jit(dense.split_weights, static_argnums=2)
     tile = dict(block_n=block_n or dense.DENSE_BLOCK_N, block_k=block_k or dense.DENSE_BLOCK_K)
@@ -58,7 +87,8 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
         return None if dense.unsupported_reason_for(rows // g, k, splits, **tile) else splits
 
     def held(node, path):
-        if path and path[-1] == "shared_experts" and all(splits_for(node.get(name), path + (name,))
+        if path and path[-1] == "shared_experts" and wanted("shared.w13") \
+                and all(splits_for(node.get(name), path + (name,))
                                                          for name in ("w1", "w3")) \
                 and node["w1"]["weight"].shape == node["w3"]["weight"].shape:
             # w1 and w3 read the same rows: one launch over both ("w13", w1's rows then w3's)
@@ -68,6 +98,8 @@ def prepare_dense_fp8(params: dict, cfg, *, block_n: int | None = None, block_k:
             out = {kk: rewrite_nodes(v, held, path + (kk,)) for kk, v in node.items() if kk not in ("w1", "w3")}
             out["w13"] = {KERNEL_FP8: split(w[None], s[None], splits)}
             return out
+        if not path or not wanted(linear_name(path)):
+            return None
         g = _groups_of(path, cfg)
         splits = splits_for(node, path, g)
         if splits is None:

@@ -105,6 +105,11 @@ class Numerics:
     # The kernel sums in another order than XLA's dot (the products are the same), so a token's bits
     # depend on the program kind, as with ``expert_operands``, never on the batch.
     dense_kernel: str = "off"
+    # Which of them the engine holds for the kernel when ``dense_kernel`` is not "off": None = every one
+    # the kernel can take, else a tuple of ``dense_fp8.DENSE_LINEARS`` names (e.g. ("wo_a", "wo_b",
+    # "shared.w13"), the ones the kernel beat XLA on in session 25's H100 benchmark); the rest stay
+    # XLA's bf16 dots. A load-time choice (``dense_fp8.prepare_dense_fp8``).
+    dense_kernel_linears: tuple[str, ...] | None = None
     # Which form of V4.1's FP4 compressed cache the attention kernel reads (the Mosaic GPU kernel route
     # only: the XLA and model routes gather and decode the selected rows either way): "always" (the FP4
     # variant, ``sparse_sink_attention_fp4``: the selected rows as stored, dequantized by the kernel's
@@ -158,6 +163,13 @@ class Numerics:
                              "activations' FP8 values, which only the quantizer makes")
         if self.dense_kernel not in DENSE_KERNEL_MODES:
             raise ValueError(f"Numerics.dense_kernel={self.dense_kernel!r}; known: {DENSE_KERNEL_MODES}")
+        if self.dense_kernel_linears is not None:
+            from deepinfer_jax.model.dense_fp8 import check_linear_names
+
+            if not isinstance(self.dense_kernel_linears, tuple):
+                raise ValueError(f"Numerics.dense_kernel_linears must be a tuple of names or None, got "
+                                 f"{self.dense_kernel_linears!r}")
+            check_linear_names(self.dense_kernel_linears)
         if self.attention_fp4_rows not in ATTENTION_FP4_MODES:
             raise ValueError(f"Numerics.attention_fp4_rows={self.attention_fp4_rows!r}; known: {ATTENTION_FP4_MODES}")
         for name in ("attention_split_rows", "attention_prefill_split_rows"):
