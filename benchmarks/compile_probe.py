@@ -135,6 +135,8 @@ def main(argv=None) -> int:
                     help="Numerics.expert_operands (the FP4 experts' kernel operands)")
     ap.add_argument("--dense-kernel", default="off", choices=("off", "on", "decode"),
                     help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel)")
+    ap.add_argument("--attention-fp4-rows", default="decode",
+                    help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
     ap.add_argument("--dense-kernel-linears", default=None,
                     help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names")
     args = ap.parse_args(argv)
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
     # decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
-                                   dense_kernel=args.dense_kernel, dense_kernel_linears=linears)
+                                   dense_kernel=args.dense_kernel, dense_kernel_linears=linears,
+                                   attention_fp4_rows=args.attention_fp4_rows)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)

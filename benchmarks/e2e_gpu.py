@@ -55,6 +55,9 @@ Sections:
 * densexla: with ``--dense-kernel`` on or decode, the decode row at --profile-batch and the first
   context with the dense FP8 linears as XLA's bf16 dots (``Numerics.dense_kernel="off"`` on bf16-held
   weights, the engine's other form): the A/B of the dense kernel on one machine.
+* gatherattn: the decode row at --profile-batch and the first context with the attention's selected
+  FP4 rows gathered and decoded by XLA for the bf16 kernel (``Numerics.attention_fp4_rows=
+  "gather-decode"``) instead of the FP4 variant: the A/B on one machine (same bits as "never").
 * unroll: the decode step at --profile-batch and the first context with the mHC Sinkhorn rounds in
   XLA as a while loop (``kernels`` "sinkhorn=xla", ``sinkhorn_unroll=False``: one host round trip per
   iteration), to compare with the decode section's row for the same shape (on Hopper the rounds run in
@@ -891,7 +894,8 @@ def main(argv=None):
     ap.add_argument("--dense-kernel-linears", default=None,
                     help="Numerics.dense_kernel_linears: with --dense-kernel, only these linears (comma-separated "
                     "dense_fp8.DENSE_LINEARS names, e.g. wo_a,wo_b,shared.w13) on the kernel; the rest XLA's dots")
-    ap.add_argument("--attention-fp4-rows", default=None, choices=("always", "decode", "never"),
+    ap.add_argument("--attention-fp4-rows", default=None, choices=("always", "decode", "never", "gather",
+                                                                  "gather-decode"),
                     help="Numerics.attention_fp4_rows: the attention kernel's form for the FP4 compressed cache "
                          "(default: the Numerics default)")
     ap.add_argument("--attention-prefill-split", type=int, default=None,
@@ -1003,6 +1007,10 @@ def main(argv=None):
         section("dense-xla-decode", run_decode, out, dataclasses.replace(m, params=params_dense_xla),
                 dataclasses.replace(numerics, dense_kernel="off"), [args.profile_batch], contexts[:1], max_len,
                 "dense-xla")
+    if "gatherattn" in want:   # A/B of the attention's decode form against the decode section's row
+        section("gather-attn-decode", run_decode, out, m, dataclasses.replace(
+                    numerics, attention_fp4_rows="gather-decode"), [args.profile_batch], contexts[:1], max_len,
+                "gather-attn")
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
         section("unroll-decode", run_decode, out, m, dataclasses.replace(
                     numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),

@@ -77,7 +77,7 @@ def test_decode_bytes_add_up(tiny_slice):
 
 
 def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
-    """benchmarks/e2e_gpu.py's diagnostic sections (experts, host, nographs, bf16experts) run end to end
+    """benchmarks/e2e_gpu.py's diagnostic sections (experts, host, nographs, bf16experts, gatherattn) run end to end
     on the tiny slice, as a device call would run them: no section records an error, the experts
     section counts each layer's distinct routed experts (at most the batch's picks, at most the
     experts there are) and reprices the step's bytes with them."""
@@ -85,7 +85,7 @@ def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
 
     import e2e_gpu
 
-    rc = e2e_gpu.main(["--tiny", "--layers", "4", "--sections", "decode,experts,host,nographs,bf16experts",
+    rc = e2e_gpu.main(["--tiny", "--layers", "4", "--sections", "decode,experts,host,nographs,bf16experts,gatherattn",
                        "--compile-cache", "none", "--out", str(tmp_path)])
     got = json.loads((tmp_path / "e2e_gpu.json").read_text())
     assert rc == 0, got["sections"]
@@ -98,3 +98,5 @@ def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
     assert exp["total_bytes_own_routing"] - exp["expert_bytes_own_routing"] == pytest.approx(
         row["bytes"]["total"] - exp["expert_bytes_uniform"], rel=1e-9)
     assert {"step_ms", "model_program_ms", "sampler_ms", "noop_same_args_ms"} <= set(got["sections"]["host"])
+    assert got["sections"]["gather-attn-decode"] and all(r["ms_per_step"] > 0
+                                                         for r in got["sections"]["gather-attn-decode"])

@@ -188,6 +188,30 @@ def test_attention_layer_core_in_gpu_interpreter():
     assert float(jnp.max(jnp.abs(xla))) > 10 * tol      # not a comparison of two near-zero outputs
 
 
+def test_gathered_rows_give_the_decoded_caches_bits_in_the_gpu_interpreter():
+    """``attention_fp4_rows="gather"``'s inputs (each query's selected rows decoded, in selection order)
+    against the whole decoded cache's (``sparse_inputs``): the Mosaic GPU kernel, in the interpreter,
+    returns the same bits from both, since every query meets the same rows in the same order."""
+    from deepinfer_jax.model.attention import gathered_inputs, sparse_inputs
+    from deepinfer_jax.model.window import window_index
+    from pallas_kernels.attention.config import BLOCK_ROWS, SparseAttentionConfig
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+    from pallas_kernels.interpret import gpu_interpreter
+
+    rng = np.random.default_rng(9)
+    q, win, mask, comp, idx, sink = _attention_inputs(rng, 1, 2, 4, 128, 8, 6, 4)
+    win_idx = window_index(mask, 8)
+    whole = sparse_inputs(win, mask, comp, idx, jnp.bfloat16, window=8, win_idx_btw=win_idx)
+    sel = gathered_inputs(win, win_idx, comp, idx, jnp.bfloat16)
+    assert sel[0].shape[1] == win.shape[1] + 2 * 4 and sel[1].shape == whole[1].shape
+    config = SparseAttentionConfig(split_rows=-(-whole[1].shape[-1] // BLOCK_ROWS) * BLOCK_ROWS)
+    with gpu_interpreter():
+        a, b = (sparse_sink_attention_pallas(q, kv, ix, sink, 128 ** -0.5, config) for kv, ix in (whole, sel))
+    bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))   # noqa: E731
+    assert np.array_equal(bits(a), bits(b))
+    assert float(jnp.max(jnp.abs(a.astype(jnp.float32)))) > 0
+
+
 def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
     """Numerics.attention_fp4_rows / attention_split_rows where the Mosaic kernel would run (simulated:
     the route is forced to it and the two ops record their call, then run their XLA fallback): "always"
@@ -217,15 +241,19 @@ def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
     monkeypatch.setattr(attention_module, "_route", lambda *a: ("op", PALLAS_MOSAIC_GPU))
     xla = attention_core(*args, scale, _mode("xla"))
     tol = _attn_tol(args[1], args[3])
-    for rows, split in (("always", 320), ("never", 640), ("decode", 128)):
+    outs = {}
+    for rows, split in (("always", 320), ("never", 640), ("decode", 128), ("gather", 640)):
         calls.clear()
         numerics = dataclasses.replace(base, attention_fp4_rows=rows, attention_split_rows=split)
-        got = attention_core(*args, scale, numerics)
+        got = outs[rows] = attention_core(*args, scale, numerics)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla.astype(jnp.bfloat16), np.float32),
                                    rtol=0, atol=tol)
-        op = "sparse_sink_attention" if rows == "never" else "sparse_sink_attention_fp4"
-        kv_rows = args[1].shape[1] + (args[3]["values"].shape[1] if rows == "never" else 0)  # + the decoded cache
-        assert calls == [(op, PALLAS_MOSAIC_GPU, split, (1, kv_rows, 128))]
+        op = "sparse_sink_attention" if rows in ("never", "gather") else "sparse_sink_attention_fp4"
+        # + the decoded cache ("never") or each query's decoded selection ("gather": T * K rows)
+        extra = {"never": args[3]["values"].shape[1], "gather": args[4].shape[1] * args[4].shape[2]}.get(rows, 0)
+        assert calls == [(op, PALLAS_MOSAIC_GPU, split, (1, args[1].shape[1] + extra, 128))]
+    # the gathered rows are the decoded cache's, met in the same order: the same bits
+    assert np.array_equal(np.asarray(outs["gather"], np.float32), np.asarray(outs["never"], np.float32))
 
 
 def test_attention_numerics_per_program_and_validation():
@@ -237,6 +265,9 @@ def test_attention_numerics_per_program_and_validation():
     assert (default.attention_fp4_rows, default.attention_split_rows, default.attention_prefill_split_rows) == \
         ("decode", 320, 640)
     assert default.for_program("prefill") == pre and default.for_program("decode") == dec
+    gather = dataclasses.replace(nq, attention_fp4_rows="gather-decode")
+    assert (gather.for_program("decode").attention_fp4_rows, gather.for_program("prefill").attention_fp4_rows) == \
+        ("gather", "never")
     same = dataclasses.replace(default, attention_prefill_split_rows=0)
     assert same.for_program("prefill").attention_split_rows == same.attention_split_rows == 320
     for bad in (dict(attention_fp4_rows="prefill"), dict(attention_split_rows=0), dict(attention_split_rows=100),

@@ -67,6 +67,22 @@ def sparse_inputs(win_k_bwd: jax.Array, win_mask_btw: jax.Array, comp_kv: dict |
     return jnp.concatenate([kv, comp], axis=1), jnp.concatenate([idx_w, idx_c], axis=-1)
 
 
+def gathered_inputs(win_k_bwd: jax.Array, win_idx_btw: jax.Array, comp_kv: dict, idx_btk: jax.Array, dtype,
+                    comp_layout: kv_codec.Layout = kv_codec.COMPRESSED) -> tuple[jax.Array, jax.Array]:
+    """``sparse_inputs``' problem with only the selected compressed rows decoded: kv [B, W+T + T*K, D]
+    (the window rows, then each query's K selected rows in selection order) and idx [B, T, Kw + K]
+    (its visible window columns, then its own K rows; -1 where the selection is). Every query meets the
+    same row values in the same order as from ``sparse_inputs``, so a kernel gives the same bits."""
+    b, t, k = idx_btk.shape
+    rows = kv_codec.gather(comp_kv, jnp.arange(b)[:, None, None], jnp.maximum(idx_btk, 0))
+    sel = kv_codec.decode(comp_layout, rows, dtype)                          # [B, T, K, D]
+    n_w = win_k_bwd.shape[1]
+    own = n_w + jnp.arange(t, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None, :]
+    idx_c = jnp.where(idx_btk >= 0, own[None], -1)
+    kv = jnp.concatenate([win_k_bwd.astype(dtype), sel.reshape(b, t * k, sel.shape[-1])], axis=1)
+    return kv, jnp.concatenate([win_idx_btw.astype(jnp.int32), idx_c], axis=-1)
+
+
 def _route(numerics: Numerics, dtype, h: int, d: int, config, fp4: bool) -> tuple[str, str | None]:
     """``kernel_route`` of the attention op (fp4: its FP4 variant) for these static shapes."""
     from pallas_kernels import attention as pk_attn
@@ -98,10 +114,11 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
            and numerics.kernel_mode("attention") != "interpret")
     route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
-    if fp4 and impl == PALLAS_MOSAIC_GPU and numerics.attention_fp4_rows == "never":
-        # the bf16 kernel on the decoded cache (Numerics.attention_fp4_rows); the XLA routes above keep
-        # reading only the selected rows
-        fp4 = False
+    gathered = False
+    if fp4 and impl == PALLAS_MOSAIC_GPU and numerics.attention_fp4_rows in ("never", "gather"):
+        # the bf16 kernel on the decoded cache or on the decoded selected rows (Numerics.attention_fp4_rows);
+        # the XLA routes above keep reading only the selected rows
+        fp4, gathered = False, numerics.attention_fp4_rows == "gather"
         route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
@@ -113,8 +130,11 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
                                                  win_idx_btw, comp_kv["values"],
                                                  comp_kv["scale"], idx_btk.astype(jnp.int32), sink_h, scale,
                                                  config=config, impl=impl)
-    kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout, ring,
-                                win_idx_btw)
+    if gathered:
+        kv_bsd, idx = gathered_inputs(win_k_bwd, win_idx_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout)
+    else:
+        kv_bsd, idx = sparse_inputs(win_k_bwd, win_mask_btw, comp_kv, idx_btk, q_bthd.dtype, comp_layout, ring,
+                                    win_idx_btw)
     if impl == "interpret":
         from pallas_kernels.attention.config import BLOCK_ROWS
         from pallas_kernels.attention.kernel import sparse_sink_attention_pallas

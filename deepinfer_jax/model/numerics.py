@@ -42,7 +42,7 @@ KERNEL_MODES = ("auto", "xla", "ops", "pallas", "interpret")
 KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn", "dense")
 EXPERT_OPERAND_MODES = ("bf16", "e4m3", "e4m3-decode")
 DENSE_KERNEL_MODES = ("off", "on", "decode")
-ATTENTION_FP4_MODES = ("always", "decode", "never")
+ATTENTION_FP4_MODES = ("always", "decode", "never", "gather", "gather-decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,11 @@ class Numerics:
     # Model calls outside the engine's programs read "decode" as "always". On the H100 (2026-12-06) a
     # 1,024-query prefill call took 403 us this way (with a 640-row split) against 991 us for the FP4
     # variant (pallas_kernels/attention/README.md), so "decode" is the default.
+    # "gather": XLA gathers each query's selected rows and decodes them to bf16 ([B, T*K, D]), and the
+    # bf16 kernel reads those: the same rows in the same order as "never", so the same bits, without
+    # decoding the whole cache (a decode step's form: ~33 MB at B=64, against the FP4 variant's ~29 us of
+    # XLA work a call around its kernel, session 26); "gather-decode": "gather" in decode programs and
+    # "never" in prefill ones. Untimed (benchmarks/NOTES.md item -27).
     attention_fp4_rows: str = "decode"
     # The attention kernel's ``SparseAttentionConfig.split_rows`` (selected rows a CTA reduces; more rows
     # go to more CTAs, merged in a fixed order): a static choice, so rows stay batch-invariant. In the
@@ -182,7 +187,8 @@ class Numerics:
         """These numerics as a ``kind`` ("prefill" or "decode") program of the engine runs them:
         ``expert_operands="e4m3-decode"`` becomes "e4m3" in decode programs (with fake_quant on) and
         "bf16" otherwise; ``dense_kernel="decode"`` becomes "on" in decode programs, "off" otherwise;
-        ``attention_fp4_rows="decode"`` becomes "always" in decode programs, "never" otherwise; prefill
+        ``attention_fp4_rows="decode"`` becomes "always" in decode programs, "never" otherwise (and
+        "gather-decode" "gather" and "never"); prefill
         programs take ``attention_prefill_split_rows`` as their split when it is set."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"program kind {kind!r} must be 'prefill' or 'decode'")
@@ -192,8 +198,9 @@ class Numerics:
             out = dataclasses.replace(out, expert_operands="e4m3" if e4m3 else "bf16")
         if self.dense_kernel == "decode":
             out = dataclasses.replace(out, dense_kernel="on" if kind == "decode" else "off")
-        if self.attention_fp4_rows == "decode":
-            out = dataclasses.replace(out, attention_fp4_rows="always" if kind == "decode" else "never")
+        if self.attention_fp4_rows in ("decode", "gather-decode"):
+            form = "always" if self.attention_fp4_rows == "decode" else "gather"
+            out = dataclasses.replace(out, attention_fp4_rows=form if kind == "decode" else "never")
         if kind == "prefill" and self.attention_prefill_split_rows:
             out = dataclasses.replace(out, attention_split_rows=self.attention_prefill_split_rows)
         return out
