@@ -822,6 +822,26 @@ def with_y_transposed() -> None:
     moe._tile_config = lambda *a: dataclasses.replace(tile_config(*a), out_rows=False)
 
 
+def with_prefill_chunk_tiles() -> None:
+    """The prefill-phase expert GEMMs (``tile_phase`` "prefill": from 96 rows per expert) with the
+    "chunk" phase's tiles (64 rows) instead of 128: a benchmark-only A/B of the switch, which
+    ``config.CHUNK_ROWS_PER_GROUP`` puts halfway between two measured points. At a chunk-8192 prefill
+    (128 rows an expert) 128-row tiles pad ~1.5x, 64-row ones ~1.25x (benchmarks/NOTES.md item -27).
+    Any tile gives the same bits."""
+    from deepinfer_jax.model import moe
+    from pallas_kernels.grouped_gemm.config import CHUNK_ROWS_PER_GROUP, tile_phase
+
+    tile_config = moe._tile_config
+
+    def patched(p_lin, m_rows, numerics, act_block=32):
+        g = moe._weight_shape(p_lin)[0]
+        if tile_phase(m_rows, g, moe._expert_format(p_lin)) == "prefill":
+            m_rows = (CHUNK_ROWS_PER_GROUP[1] - 1) * g     # a chunk-phase row count: its config
+        return tile_config(p_lin, m_rows, numerics, act_block)
+
+    moe._tile_config = patched
+
+
 def with_decode_block_m(block_m: int) -> None:
     """The decode-phase expert GEMMs (``tile_phase`` "decode": up to 12 rows per expert) with ``block_m``
     token rows per tile instead of the tuned table's (8 below 2 rows per expert, else 16): a
@@ -876,6 +896,9 @@ def main(argv=None):
     ap.add_argument("--y-transposed", action="store_true",
                     help="the expert GEMMs in their earlier y^T output form (GroupedMatmulConfig.out_rows=False): "
                          "an A/B of NOTES item -13(a) in the model")
+    ap.add_argument("--prefill-chunk-tiles", action="store_true",
+                    help="prefill-phase expert GEMMs (>= 96 rows an expert) on the chunk phase's 64-row tiles "
+                    "(with_prefill_chunk_tiles: an A/B of the tile switch; the same bits)")
     ap.add_argument("--decode-block-m", type=int, default=None,
                     help="token rows per tile of the decode-phase expert GEMMs (default: the tuned table's, 8 "
                     "below 2 rows per expert, else 16); an A/B")
@@ -964,6 +987,9 @@ def main(argv=None):
     RESULTS["grouped_gemm_out_rows"] = not args.y_transposed
     if args.decode_block_m:
         with_decode_block_m(args.decode_block_m)
+    if args.prefill_chunk_tiles:
+        with_prefill_chunk_tiles()
+    RESULTS["prefill_chunk_tiles"] = args.prefill_chunk_tiles
     RESULTS["decode_block_m"] = args.decode_block_m
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     tile_major = False
