@@ -861,6 +861,11 @@ def with_decode_block_m(block_m: int) -> None:
     moe._tile_config = patched
 
 
+# Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
+SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "nographs",
+            "bf16experts", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
+
+
 def _xla_option(text: str) -> tuple[str, bool | int | str]:
     """"name=value" -> (name, value) with true/false as bools and integers as ints."""
     name, sep, value = text.partition("=")
@@ -935,6 +940,9 @@ def main(argv=None):
                     "'none'. Its autotuning part is copied to OUT/autotune_cache (small files) for carrying "
                     "into a later call: see NOTES.md, device plan")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS) - {""})
+    if unknown:
+        ap.error(f"--sections: unknown {unknown}; known: {', '.join(SECTIONS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.compile_cache != "none":

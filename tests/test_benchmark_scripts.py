@@ -86,3 +86,15 @@ def test_bf16_out_dot_script_checks_bits_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "bf16_out_dot_gpu.json").read_text())["rows"]
     assert len(rows) == 4 and {r["tokens"] for r in rows} == {8, 40}
     assert all(r["values_differ"] == 0 for r in rows), rows
+
+
+def test_e2e_script_refuses_an_unknown_section(capsys, monkeypatch):
+    """A misspelt --sections name stops the run with the known names, instead of running nothing."""
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import e2e_gpu
+
+    with pytest.raises(SystemExit):
+        e2e_gpu.main(["--tiny", "--sections", "ceil,prefil"])
+    err = capsys.readouterr().err
+    assert "prefil" in err and "prefill" in err
+    assert set(e2e_gpu.SECTIONS) >= {"ceil", "decode", "prefill", "gatherattn", "pattn"}
