@@ -56,23 +56,23 @@ def test_rope(ratio):
 
 
 def test_rope_leaves_the_other_columns_bit_exact():
-    """apply_rope selects the rotated columns into x (rope.py says why not a concatenate): the first
-    D - rope_dim columns must come back bit for bit, -0.0 and NaN included, in bf16 and fp32, and the
-    rotated ones must be the pair rotation of the rope columns alone."""
+    """apply_rope joins the rotated columns to x by a select, an in-place update or a concatenate
+    (rope.py says when each): the first D - rope_dim columns must come back bit for bit, -0.0 and NaN
+    included, in bf16 and fp32, and the rotated ones must be the pair rotation of the rope columns alone."""
     inv = rope_inv_freq(RopeSpec(10000.0, 1.0, 32, 1, 65536), 16)
     pos = jnp.asarray([3, 70000])[:, None, None]
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng().standard_normal((2, 5, 3, 48)), dtype)
         x = x.at[0, 0, 0, :3].set(jnp.asarray([-0.0, jnp.nan, -jnp.inf], dtype))
-        for inverse in (False, True):
-            rope = jax.jit(lambda x, p, inverse=inverse: apply_rope(x, p, inv, inverse))
+        for inverse, join in ((False, "select"), (True, "select"), (False, "update"), (True, "concatenate")):
+            rope = jax.jit(lambda x, p, inverse=inverse, join=join: apply_rope(x, p, inv, inverse, join))
             got = rope(x, pos)
             bits = jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32
             same = jax.lax.bitcast_convert_type(got[..., :32], bits) == jax.lax.bitcast_convert_type(x[..., :32], bits)
-            assert bool(same.all())
+            assert bool(same.all()), join
             alone = rope(x[..., 32:], pos)   # (both jitted: eager fp32 sin/cos differ from XLA:CPU's in ulps)
             assert bool((jax.lax.bitcast_convert_type(got[..., 32:], bits)
-                         == jax.lax.bitcast_convert_type(alone, bits)).all())
+                         == jax.lax.bitcast_convert_type(alone, bits)).all()), join
 
 
 @pytest.mark.parametrize("unroll", [False, True], ids=["loop", "unrolled"])

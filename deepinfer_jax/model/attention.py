@@ -208,8 +208,9 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     q = quant_linear(qr, p["wq_b"], numerics, act_block=ab).reshape(b, t, h, hd)
     if cfg.per_head_q_norm:  # V4: unweighted RMS norm of each head (V4.1 has none)
         q = rms_norm(q, None, eps, dt)
-    # (concatenated: at decode XLA fuses that, not the select, with the FP4 kernel's permutation of q)
-    q = apply_rope(q, pos_bt[..., None], inv_freq, join="concatenate")
+    # (decode: concatenated, which XLA fuses with the FP4 kernel's permutation of q, not the select;
+    # prefill chunks: the rope columns updated in place, apply_rope says why)
+    q = apply_rope(q, pos_bt[..., None], inv_freq, join="concatenate" if t == 1 else "update")
 
     kv = rms_norm(quant_linear(x_btd, p["wkv"], numerics, act_block=ab), p["kv_norm"]["weight"], eps, dt)
     kv = apply_rope(kv, pos_bt, inv_freq)
@@ -247,7 +248,7 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     with jax.named_scope("core"):
         o = attention_core(q, win_k, win_mask, comp_kv, idx, p["attn_sink"], hd ** -0.5, numerics, lay.compressed,
                            win_idx)
-    o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True)
+    o = apply_rope(o.astype(dt), pos_bt[..., None], inv_freq, inverse=True, join="select" if t == 1 else "update")
     g = cfg.o_groups
     o_g = o.reshape(b, t, g, cfg.heads_per_group * hd)
     # (no activation quantizer in front of wo_a: on the dense kernel its bf16 operand form)
