@@ -137,6 +137,8 @@ def main(argv=None) -> int:
                     help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel)")
     ap.add_argument("--attention-fp4-rows", default="decode",
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
+    ap.add_argument("--prefill-chunk-tiles", action="store_true",
+                    help="prefill-phase expert GEMMs on the chunk phase's 64-row tiles (e2e_gpu.py's A/B switch)")
     ap.add_argument("--dense-kernel-linears", default=None,
                     help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names")
     args = ap.parse_args(argv)
@@ -148,10 +150,12 @@ def main(argv=None) -> int:
     from deepinfer_jax.engine.token_map import compressed_token_map
     from deepinfer_jax.engine.tokenizer import Tokenizer
     from deepinfer_jax.model.numerics import Numerics
-    from e2e_gpu import decode_inputs, with_segment_rows
+    from e2e_gpu import decode_inputs, with_prefill_chunk_tiles, with_segment_rows
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
+    if args.prefill_chunk_tiles:
+        with_prefill_chunk_tiles()
     params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off", dense_linears=linears)
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
     # decoder the slice allows
