@@ -409,32 +409,41 @@ TOPK_BLOCK = 1024
 
 
 def top_k_by_blocks(x_bv: jax.Array, k: int, block: int = TOPK_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k`` over the last axis (ties: lower index first), in stages over blocks of ``block``
-    columns: the k blocks with the largest maxima, the top k of each of those, then the top k of those
-    candidates. Same values and indices, bit for bit.
+    """The top k of the last axis in IEEE total order (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf <
+    NaN; ties: lower index first), in stages over blocks of ``block`` columns: the k blocks with the
+    largest maxima, the top k of each of those, then the top k of those candidates. On the CPU this is
+    ``lax.top_k``'s values and indices, bit for bit.
 
-    Why: XLA:GPU lowers a top-20 over a [64, 129280] vocabulary row to a full segmented radix sort
+    Every stage ranks ``order_key``'s uint32 keys, not the floats: XLA:GPU's own top-k kernel for k <= 16
+    compares floats (it skips NaN and ties -0.0 with +0.0), while its sort-based top-k for larger k uses
+    the total order, so ``lax.top_k`` on floats gives a NaN or signed-zero row one answer or the other by
+    k there. On integer keys every backend and every k agree.
+
+    Why blocks: XLA:GPU lowers a top-20 over a [64, 129280] vocabulary row to a full segmented radix sort
     (six launches, 0.9 ms of the H200 slice's decode step). Sorting every block's 1024 elements cut that
     to one sort of [64 x 127, 1024] (0.29 ms on the H200, 2026-12-05); only k of the 127 blocks can hold
     a winner, so the sort now sees k of them. Exact: an element in any other block is outranked by the
     k chosen blocks' maxima (larger, or equal and in a lower block, so at a lower index), so it is not in
     the top k. Within the chosen blocks, candidates are laid out in index order (blocks sorted by index,
-    each block's candidates in index order among equal values), so the last stage's "lower position
-    first" is "lower index first". Rows shorter than 8 blocks take ``lax.top_k`` directly."""
+    each block's candidates in index order among equal keys), so the last stage's "lower position
+    first" is "lower index first". Rows shorter than 8 blocks take one top k of the keys."""
     b, v = x_bv.shape
+    key_bv = _order_key(x_bv, fold_signed_zeros=False)
     if v < 8 * block or k > block:
-        return jax.lax.top_k(x_bv, k)
+        _, idx = jax.lax.top_k(key_bv, k)
+        return jnp.take_along_axis(x_bv, idx, axis=1), idx
     nb = -(-v // block)
-    # padding at the end: -inf at indices past every real one, so it loses every tie with a real -inf
-    xp = jnp.pad(x_bv, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
+    # padding at the end: key 0, the least key (only the all-ones -NaN has it too), at indices past every
+    # real one, so it loses every tie with a real element and v >= k real ones outrank it
+    kp = jnp.pad(key_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
     kb = min(k, nb)
-    # block maxima in lax.top_k's own order (a float max would tie -0.0 with +0.0); ties: lower block
-    _, blocks_bj = jax.lax.top_k(jnp.max(_order_key(xp, fold_signed_zeros=False), axis=-1), kb)
+    _, blocks_bj = jax.lax.top_k(jnp.max(kp, axis=-1), kb)     # ties: lower block
     blocks_bj = jnp.sort(blocks_bj, axis=-1)
-    val_bjk, idx_bjk = jax.lax.top_k(jnp.take_along_axis(xp, blocks_bj[:, :, None], axis=1), k)
+    key_bjk, idx_bjk = jax.lax.top_k(jnp.take_along_axis(kp, blocks_bj[:, :, None], axis=1), k)
     idx_bjk = idx_bjk + blocks_bj[:, :, None] * block
-    val, pos = jax.lax.top_k(val_bjk.reshape(b, kb * k), k)
-    return val, jnp.take_along_axis(idx_bjk.reshape(b, kb * k), pos, axis=1)
+    _, pos = jax.lax.top_k(key_bjk.reshape(b, kb * k), k)
+    idx = jnp.take_along_axis(idx_bjk.reshape(b, kb * k), pos, axis=1)
+    return jnp.take_along_axis(x_bv, idx, axis=1), idx
 
 
 __all__ = ["MAX_LOGPROBS", "SamplerPlan", "SamplingParams", "empty_rows", "alive_keep", "filter_steps", "pick", "prepare",
