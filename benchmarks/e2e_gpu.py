@@ -767,7 +767,7 @@ def run_prefill(m: Model, numerics: Numerics, prompts, chunk: int, replay=(True,
     rows = []
     dense = RESULTS.get("dense_flops")
     max_len = max(prompts) + 16
-    macs = matmul_macs_per_token(m.cfg, m.params)
+    macs = matmul_macs_per_token(m.cfg, m.stored)   # the checkpoint's names: load-time prep renames leaves
     last_source = max(m.cfg.kv_source_layer_ids)
     upper_share = sum(1 for i in range(m.cfg.num_hidden_layers) if i > last_source) / m.cfg.num_hidden_layers
     rng = np.random.default_rng(0)
@@ -1020,7 +1020,7 @@ def main(argv=None):
     m = Model(cfg, params, tok, token_map, stored)
     RESULTS["slice"] = dict(layers=args.layers, weight_bytes=tree_bytes(params), build_s=time.time() - t,
                             roles=[cfg.layer_plan(i).mode.value for i in range(cfg.num_hidden_layers)],
-                            matmul_macs_per_token=matmul_macs_per_token(cfg, params), pool_bytes=pool_bytes())
+                            matmul_macs_per_token=matmul_macs_per_token(cfg, stored), pool_bytes=pool_bytes())
     log(f"slice: {RESULTS['slice']}")
     max_len = max(contexts) + 64
     if "decode" in want:

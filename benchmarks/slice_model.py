@@ -297,7 +297,14 @@ def decode_bytes(cfg: ModelConfig, params, batch: int, context: int, kv_quant: b
 def matmul_macs_per_token(cfg: ModelConfig, params) -> float:
     """Multiply-accumulates per token in the linears: every 2-D weight once (projections, compressors,
     indexers, router, shared expert, Engram projections, the head), the routed experts top-k / E times.
-    2x this is a step's matmul FLOPs per token; attention scores and the indexer's dots come on top."""
+    2x this is a step's matmul FLOPs per token; attention scores and the indexer's dots come on top.
+    params: the stored layout (arrays or ShapeDtypeStructs); load-time forms that rename leaves (the dense
+    kernel's "kernel_fp8") are refused, since their linears would go uncounted."""
+    renamed = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(params)[0]
+               if "kernel_fp8" in jax.tree_util.keystr(p)]
+    if renamed:
+        raise ValueError(f"matmul_macs_per_token counts the stored layout; {renamed[0]} (and "
+                         f"{len(renamed) - 1} more) is a load-time form: pass the stored ShapeDtypeStructs")
     def weights_2d(tree):
         return sum(math.prod(x.shape[-2:]) * (2 if x.dtype == jnp.uint8 else 1)
                    for path, x in jax.tree.flatten_with_path(tree)[0]

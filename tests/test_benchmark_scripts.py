@@ -98,3 +98,25 @@ def test_e2e_script_refuses_an_unknown_section(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "prefil" in err and "prefill" in err
     assert set(e2e_gpu.SECTIONS) >= {"ceil", "decode", "prefill", "gatherattn", "pattn"}
+
+
+def test_matmul_macs_refuse_the_dense_kernels_load_time_form():
+    """e2e_gpu.py's prefill TFLOP/s once came from params after ``prepare_dense_fp8``, whose renamed
+    linears went uncounted (a 12-layer slice: 4.34e9 MACs a token instead of 5.53e9, H200 2026-12-06);
+    the count now takes the stored layout and refuses the other."""
+    import jax
+    import jax.numpy as jnp
+
+    from slice_model import matmul_macs_per_token
+
+    class Cfg:
+        num_experts_per_tok = 2
+
+    experts = {n: {"weight": jax.ShapeDtypeStruct((4, 8, 16), jnp.bfloat16)} for n in ("w1", "w2", "w3")}
+    layer = {"attn": {"wo_a": {"weight": jax.ShapeDtypeStruct((32, 64), jnp.float8_e4m3fn)}},
+             "ffn": {"experts": experts}}
+    stored = {"head": {"weight": jax.ShapeDtypeStruct((100, 64), jnp.bfloat16)}, "layers": [layer]}
+    assert matmul_macs_per_token(Cfg, stored) == 100 * 64 + 32 * 64 + 2 * 3 * 8 * 16
+    held = {**layer, "attn": {"wo_a": {"kernel_fp8": {"w": jax.ShapeDtypeStruct((32, 64), jnp.float8_e4m3fn)}}}}
+    with pytest.raises(ValueError, match="kernel_fp8"):
+        matmul_macs_per_token(Cfg, {**stored, "layers": [held]})
