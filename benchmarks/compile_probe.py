@@ -133,35 +133,42 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-dir", type=Path, default=None, help="write each compiled program's HLO text here")
     ap.add_argument("--expert-operands", default="e4m3-decode", choices=("bf16", "e4m3", "e4m3-decode"),
                     help="Numerics.expert_operands (the FP4 experts' kernel operands)")
-    ap.add_argument("--dense-kernel", default="off", choices=("off", "on", "decode"),
-                    help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel)")
+    ap.add_argument("--dense-kernel", default=None, choices=("off", "on", "decode"),
+                    help="Numerics.dense_kernel (the dense FP8 linears on the grouped GEMM kernel; default: the "
+                    "Numerics default)")
     ap.add_argument("--attention-fp4-rows", default="decode",
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs on the chunk phase's 64-row tiles (e2e_gpu.py's A/B switch)")
     ap.add_argument("--dense-kernel-linears", default=None,
-                    help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names")
+                    help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names, or 'all' "
+                    "(default: the Numerics default)")
     args = ap.parse_args(argv)
-    linears = tuple(args.dense_kernel_linears.split(",")) if args.dense_kernel_linears else None
+    from deepinfer_jax.model.dense_fp8 import parse_linear_names
+    from deepinfer_jax.model.numerics import Numerics
+
+    defaults = Numerics.reference()
+    dense_kernel = args.dense_kernel or defaults.dense_kernel
+    linears = (defaults.dense_kernel_linears if args.dense_kernel_linears is None
+               else parse_linear_names(args.dense_kernel_linears))
 
     sharding = compile_only_sharding(args.target_config)
     resolve_as_cuda()
     from deepinfer_jax.engine.scheduler import EngineConfig, Scheduler
     from deepinfer_jax.engine.token_map import compressed_token_map
     from deepinfer_jax.engine.tokenizer import Tokenizer
-    from deepinfer_jax.model.numerics import Numerics
     from e2e_gpu import decode_inputs, with_prefill_chunk_tiles, with_segment_rows
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
     if args.prefill_chunk_tiles:
         with_prefill_chunk_tiles()
-    params = abstract_params(cfg, dense_kernel=args.dense_kernel != "off", dense_linears=linears)
+    params = abstract_params(cfg, dense_kernel=dense_kernel != "off", dense_linears=linears)
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
     # decoder the slice allows
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
-                                   dense_kernel=args.dense_kernel, dense_kernel_linears=linears,
+                                   dense_kernel=dense_kernel, dense_kernel_linears=linears,
                                    attention_fp4_rows=args.attention_fp4_rows)
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)

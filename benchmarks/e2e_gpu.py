@@ -101,7 +101,7 @@ from deepinfer_jax.engine.sampling import SamplerPlan, SamplingParams, seed_word
 from deepinfer_jax.engine.scheduler import EngineConfig, Request, Scheduler  # noqa: E402
 from deepinfer_jax.engine.token_map import compressed_token_map  # noqa: E402
 from deepinfer_jax.engine.tokenizer import Tokenizer  # noqa: E402
-from deepinfer_jax.model.dense_fp8 import prepare_dense_fp8  # noqa: E402
+from deepinfer_jax.model.dense_fp8 import parse_linear_names, prepare_dense_fp8  # noqa: E402
 from deepinfer_jax.model.linear import dequantize_dense_fp8  # noqa: E402
 from deepinfer_jax.model.mhc import prepare_stream_dots  # noqa: E402
 from deepinfer_jax.model.moe import experts_run_kernel, prepare_experts_for_kernel  # noqa: E402
@@ -920,8 +920,9 @@ def main(argv=None):
                     help="Numerics.dense_kernel: the dense FP8 linears on the grouped GEMM kernel (default: the "
                     "Numerics default); with the densexla section, the A/B against XLA's bf16 dots")
     ap.add_argument("--dense-kernel-linears", default=None,
-                    help="Numerics.dense_kernel_linears: with --dense-kernel, only these linears (comma-separated "
-                    "dense_fp8.DENSE_LINEARS names, e.g. wo_a,wo_b,shared.w13) on the kernel; the rest XLA's dots")
+                    help="Numerics.dense_kernel_linears: only these linears (comma-separated "
+                    "dense_fp8.DENSE_LINEARS names, e.g. wo_a,wo_b,shared.w13) on the kernel, the rest XLA's dots; "
+                    "'all': every one the kernel takes (default: the Numerics default)")
     ap.add_argument("--attention-fp4-rows", default=None, choices=("always", "decode", "never", "gather",
                                                                   "gather-decode"),
                     help="Numerics.attention_fp4_rows: the attention kernel's form for the FP4 compressed cache "
@@ -977,7 +978,7 @@ def main(argv=None):
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
-        numerics = dataclasses.replace(numerics, dense_kernel_linears=tuple(args.dense_kernel_linears.split(",")))
+        numerics = dataclasses.replace(numerics, dense_kernel_linears=parse_linear_names(args.dense_kernel_linears))
     if args.attention_fp4_rows:
         numerics = dataclasses.replace(numerics, attention_fp4_rows=args.attention_fp4_rows)
     if args.attention_prefill_split is not None:

@@ -221,6 +221,11 @@ def test_prepare_holds_only_the_selected_linears(tiny_params, tiny_cfg, tiny_tok
         Numerics(dense_kernel_linears=("w13",))
     with pytest.raises(ValueError, match="tuple"):
         Numerics(dense_kernel_linears="wo_a")
+    # the benchmarks' command-line form
+    assert dense_fp8.parse_linear_names("wo_a,wo_b,shared.w13") == chosen
+    assert dense_fp8.parse_linear_names("all") is None
+    with pytest.raises(ValueError, match="unknown"):
+        dense_fp8.parse_linear_names("wo_a,w13")
 
 
 def test_shared_expert_pair_on_one_launch_matches_two_linears():
@@ -248,7 +253,9 @@ def test_dense_kernel_modes_per_program():
     nq = dataclasses.replace(Numerics.reference(), dense_kernel="decode")
     assert nq.for_program("decode").dense_kernel == "on"
     assert nq.for_program("prefill").dense_kernel == "off"
-    assert Numerics.reference().dense_kernel == "off"                  # the default until timed on a GPU
+    # the default since the 12-layer H200 A/B (session 28): decode programs, three linears
+    assert Numerics.reference().dense_kernel == "decode"
+    assert Numerics.reference().dense_kernel_linears == ("wo_a", "wo_b", "shared.w13")
     on = dataclasses.replace(nq, dense_kernel="on")
     assert on.for_program("prefill").dense_kernel == "on"
     with pytest.raises(ValueError, match="dense_kernel"):

@@ -51,6 +51,16 @@ def check_linear_names(names) -> None:
         raise ValueError(f"dense kernel linears {unknown} unknown; known: {list(DENSE_LINEARS)}")
 
 
+def parse_linear_names(text: str) -> tuple[str, ...] | None:
+    """A command line's ``Numerics.dense_kernel_linears``: "all" -> None (every linear the kernel can
+    take), else comma-separated ``DENSE_LINEARS`` names, checked."""
+    if text == "all":
+        return None
+    names = tuple(n for n in text.split(",") if n)
+    check_linear_names(names)
+    return names
+
+
 def _groups_of(path: tuple, cfg) -> int:
     """attention's wo_a is o_groups linears stacked along its rows (the grouped einsum); others one."""
     return cfg.o_groups if path and path[-1] == "wo_a" else 1
