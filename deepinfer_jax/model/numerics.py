@@ -129,7 +129,8 @@ class Numerics:
     # decoding the whole cache (a decode step's form: ~33 MB at B=64, against the FP4 variant's ~29 us of
     # XLA work a call around its kernel, session 26); "gather-decode": "gather" in decode programs and
     # "never" in prefill ones (outside the engine's programs it reads as "always", as "decode" does).
-    # Untimed (benchmarks/NOTES.md item -27).
+    # Timed on the 12-layer H200 B=64 step (session 28): "gather-decode" 18.03 ms against "decode" 17.09,
+    # so "decode" stays the default (benchmarks/NOTES.md item -28).
     attention_fp4_rows: str = "decode"
     # The attention kernel's ``SparseAttentionConfig.split_rows`` (selected rows a CTA reduces; more rows
     # go to more CTAs, merged in a fixed order): a static choice, so rows stay batch-invariant. In the
