@@ -418,7 +418,8 @@ def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     split = dataclasses.replace(nq8, expert_operands="e4m3-decode")
     assert split.for_program("decode").expert_operands == "e4m3"
     assert split.for_program("prefill").expert_operands == "bf16"
-    resolved = dataclasses.replace(nq8, attention_fp4_rows="always")    # nothing left for for_program
+    # nothing left for for_program to resolve
+    resolved = dataclasses.replace(nq8, attention_fp4_rows="always", dense_kernel="on")
     assert resolved.for_program("decode") is resolved
     assert Numerics.reference().expert_operands == "e4m3-decode"                    # the default
     assert Numerics.exact().for_program("decode").expert_operands == "bf16"        # no FP8 activations
