@@ -168,15 +168,36 @@ def test_rounding_to_the_grid_is_the_cast_pair(limit, fn):
     assert bad.size == 0, list(zip(x[bad[:5]], got[bad[:5]], want[bad[:5]]))
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (pjit, custom_jvp) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
 @pytest.mark.parametrize("fn", ["fake_quant_fp8", "fake_quant_fp4_pow2", "fake_quant_fp4_e4m3"])
-def test_quantizers_round_without_a_narrow_cast(fn):
-    """No float8 / float4 value is made inside a fake-quantizer: XLA:GPU (default excess precision)
-    deletes such a cast and its cast back as a no-op, and the GPU program then skips the rounding."""
+def test_quantizers_make_no_bare_narrow_cast_pair(fn):
+    """No narrow value made inside a fake-quantizer is cast straight back: XLA:GPU (default excess
+    precision) deletes such a pair as a no-op, and the GPU program then skips the rounding. The E4M3
+    rounding casts, then passes the codes through an identity XLA does not fold (a select on their
+    uint8 bits) before casting back; the deviceless H200 compile keeps its fp8 convert under the
+    default options (session 28), and benchmarks/quant_rounding_gpu.py checks the bits on a GPU."""
     from deepinfer_jax.model import numerics
 
-    jaxpr = str(jax.make_jaxpr(getattr(numerics, fn))(jnp.ones((2, 64), jnp.float32)))
-    assert "reduce_precision" in jaxpr
-    assert not any(t in jaxpr for t in ("f8_e4m3fn", "f4_e2m1fn", "float8", "float4")), jaxpr
+    closed = jax.make_jaxpr(getattr(numerics, fn))(jnp.ones((2, 64), jnp.float32))
+    narrow = ("float8", "float4")
+    made_by_cast = set()
+    for eqn in _eqns(closed.jaxpr):
+        if eqn.primitive.name != "convert_element_type":
+            continue
+        src, dst = eqn.invars[0], eqn.outvars[0]
+        if any(t in str(dst.aval.dtype) for t in narrow):
+            made_by_cast.add(dst)
+        elif any(t in str(src.aval.dtype) for t in narrow):
+            assert src not in made_by_cast, f"{fn}: a narrow cast is cast straight back:\n{closed}"
 
 
 def test_round_to_bf16_is_the_cast_pair():

@@ -284,18 +284,21 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
 
 
 def round_to_e4m3(x: jax.Array) -> jax.Array:
-    """float32 -> float32 on the FP8-E4M3FN grid, nearest with ties to even: what a cast to
-    ``float8_e4m3fn`` and back gives for |x| <= 448 (callers clip first).
+    """float32 -> float32 on the FP8-E4M3FN grid, nearest with ties to even: a cast to
+    ``float8_e4m3fn`` and back, for |x| <= 448 (callers clip first).
 
-    Why not that cast pair: XLA:GPU, under its default ``--xla_allow_excess_precision``, deletes a
-    float32 -> fp8 -> float32 pair as a no-op, so the GPU program skipped every activation rounding the
-    reference does (found in the deviceless H200 compile, 2026-12-05: no fp8 convert was left in the
-    decode step's act-quant fusions). ``reduce_precision`` is kept. With 5 exponent bits it rounds the
-    E4M3 normal range (from 2^-6) to 3 mantissa bits exactly as E4M3 does, and below 2^-6, where E4M3
-    has fixed 2^-9 steps, the rounding is ``round`` on x * 2^9 (exact scalings by powers of two)."""
-    x = x.astype(jnp.float32)
-    sub = jnp.round(x * 512.0) * (1.0 / 512.0)
-    return jnp.where(jnp.abs(x) < 2.0**-6, sub, jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=3))
+    The codes pass through an identity XLA does not see through (0x7F, a NaN code, mapped to itself),
+    because XLA:GPU, under its default ``--xla_allow_excess_precision``, deletes a bare float32 -> fp8 ->
+    float32 pair as a no-op: the GPU program then skipped every activation rounding the reference does
+    (found in the deviceless H200 compile, 2026-12-05). Until session 28 this was written as
+    ``reduce_precision`` with 5 exponent bits and a ``round`` on x * 2^9 below 2^-6, with the same bits
+    (tests/test_act_quant.py); that form's select and two roundings made XLA keep each decode-size
+    act-quant as two kernels (block scales, then the rounding), where with the cast it fuses the block
+    maxima into the rounding kernel (deviceless, a [64, 1280] act-quant + dot: 3 launches -> 2; at 8,192
+    rows it still keeps two, to read x once a block)."""
+    code = jax.lax.bitcast_convert_type(x.astype(jnp.float32).astype(jnp.float8_e4m3fn), jnp.uint8)
+    code = jnp.where(code == 0x7F, jnp.uint8(0x7F), code)
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 def round_to_e2m1(x: jax.Array) -> jax.Array:
