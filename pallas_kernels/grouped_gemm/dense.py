@@ -101,11 +101,15 @@ def dequantized(p: DenseFp8Weights, dtype=jnp.bfloat16) -> jax.Array:
 
 def static_plan(groups: int, rows_per_group: int, block_m: int) -> TilePlan:
     """The tile plan of ``groups`` groups of rows_per_group rows each, laid out group after group (all
-    constants: no routing)."""
+    constants: no routing), and one tile of group -1 after them, which the kernel skips: without it the
+    tile -> group list of a one-tile-a-group plan is an iota, which XLA:GPU rebuilt with a kernel of its
+    own before every call (3 launches a layer of the decode step, deviceless H200 compile, session 28);
+    with it the list stays a constant buffer. Callers give the kernel one more tile of rows."""
     t = groups * rows_per_group // block_m
     z = np.zeros((0,), np.int32)
-    return TilePlan(row_src=jnp.asarray(np.arange(t * block_m, dtype=np.int32)),
-                    tile_group=jnp.asarray(np.repeat(np.arange(groups, dtype=np.int32), rows_per_group // block_m)),
+    tile_group = np.repeat(np.arange(groups, dtype=np.int32), rows_per_group // block_m)
+    return TilePlan(row_src=jnp.asarray(np.arange((t + 1) * block_m, dtype=np.int32)),
+                    tile_group=jnp.asarray(np.append(tile_group, np.int32(-1))),
                     dest_m=jnp.asarray(z), valid_m=jnp.asarray(z.astype(bool)), sorted_pos=jnp.asarray(z),
                     sorted_m=jnp.asarray(z))
 
@@ -136,11 +140,13 @@ def unsupported_reason(p: DenseFp8Weights, cfg: GroupedMatmulConfig) -> str | No
     return kernel_unsupported_reason(n, k // p.splits, WeightFormat.FP8, cfg, jnp.float32)
 
 
-def _split_rows(a_mgk: jax.Array, splits: int, mp: int) -> jax.Array:
-    """[M, G, C] -> [G*S*Mp, C/S]: piece s of group g's columns for every row, rows padded to Mp."""
+def _split_rows(a_mgk: jax.Array, splits: int, mp: int, extra_rows: int) -> jax.Array:
+    """[M, G, C] -> [G*S*Mp + extra_rows, C/S]: piece s of group g's columns for every row, rows padded
+    to Mp, then ``extra_rows`` zero rows (``static_plan``'s skipped tile)."""
     m, g, c = a_mgk.shape
     a = a_mgk.reshape(m, g, splits, c // splits).transpose(1, 2, 0, 3)
-    return jnp.pad(a, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * splits * mp, c // splits)
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, mp - m), (0, 0))).reshape(g * splits * mp, c // splits)
+    return jnp.pad(a, ((0, extra_rows), (0, 0)))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -164,12 +170,12 @@ def dense_fp8_matmul(x_mgk: jax.Array | E4m3Rows, p: DenseFp8Weights, *, config:
     s, bm = p.splits, config.block_m
     mp = -(-m // bm) * bm
     if isinstance(x_mgk, E4m3Rows):
-        x = E4m3Rows(_split_rows(x_mgk.values, s, mp), _split_rows(x_mgk.scale, s, mp))
+        x = E4m3Rows(_split_rows(x_mgk.values, s, mp, bm), _split_rows(x_mgk.scale, s, mp, bm))
     else:
-        x = _split_rows(x_mgk.astype(jnp.bfloat16), s, mp)
+        x = _split_rows(x_mgk.astype(jnp.bfloat16), s, mp, bm)
         x = e4m3_rows(x) if e4m3 else x
     y = grouped_matmul_tiles(static_plan(g * s, mp, bm), x, p.weight, p.scale_kn, out_dtype=jnp.float32,
-                             config=config, scales_prepared=True).reshape(g, s, mp, -1)
+                             config=config, scales_prepared=True)[:g * s * mp].reshape(g, s, mp, -1)
     acc = y[:, 0]
     for i in range(1, s):          # a fixed order, so fixed bits
         acc = acc + y[:, i]
