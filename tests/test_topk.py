@@ -165,3 +165,43 @@ def test_dispatcher_uses_the_registry():
                                   np.asarray(topk_indices(s, 16)))
     with pytest.raises(ValueError, match="no implementation 'pallas_mosaic_gpu'"):
         topk_indices(s, 16, impl="pallas_mosaic_gpu")
+
+
+def test_live_widths_cover_the_row_in_aligned_steps():
+    from deepinfer_jax.model.indexer import live_widths
+
+    assert live_widths(32784, 512) == (8448, 16640, 24832, 32784)
+    assert live_widths(2000, 64) == (512, 1024, 1536, 2000)
+    assert live_widths(2000, 900) == (900, 1024, 1536, 2000)      # never narrower than k
+    assert live_widths(200, 16) == (200,)                           # short rows: one width, no switch
+
+
+@pytest.mark.parametrize("select_min", [None, 1])
+def test_select_on_the_live_width_is_the_full_width_bit_for_bit(select_min, monkeypatch):
+    """``indexer.select(..., live=L)``: a prefill chunk's top-k on the narrowest width that holds the
+    batch's visible entries gives the full-width picks, for live bounds in every width bucket, below k,
+    and 0, with ties, -0.0 and NaN among the visible scores and rows that see fewer entries than others
+    (so the result cannot depend on what else is in the batch). select_min=1 forces the bisection."""
+    from deepinfer_jax.model.indexer import live_entries, select
+    from deepinfer_jax.model.numerics import Numerics
+
+    if select_min is not None:
+        monkeypatch.setattr(topk_xla, "SELECT_MIN_SCORES", select_min)
+    rng = np.random.default_rng(3)
+    b, t, s, k = 2, 5, 2000, 64
+    base = rng.integers(-4, 4, size=(b, t, s)).astype(np.float32)   # few values: ties everywhere
+    base[0, 0, :40] = -0.0
+    base[1, 2, 7] = np.nan
+    num = Numerics.reference()
+    run = jax.jit(lambda sc, live: select(sc, k, num, live=live))
+    full = jax.jit(lambda sc: select(sc, k, num))
+    for live in (0, 30, 511, 512, 513, 1100, 1536, 1999, 2000):
+        pos = rng.integers(-1, live, size=(b, t))                   # each row sees (pos + 1) entries
+        pos[0, 0] = live - 1                                        # one row sees them all
+        n_vis = np.where(pos >= 0, pos + 1, 0)
+        scores = np.where(np.arange(s)[None, None, :] < n_vis[..., None], base, -np.inf).astype(np.float32)
+        assert int(live_entries(jnp.asarray(pos), 1)) == live
+        got = np.asarray(run(jnp.asarray(scores), jnp.int32(live)))
+        want = np.asarray(full(jnp.asarray(scores)))
+        assert np.array_equal(got, want), live
+        assert np.array_equal(want, _oracle(scores, k)), live

@@ -189,7 +189,7 @@ def _select(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, qr: ja
             scores, pos_bt, plan.ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)
     if plan.uses_candidate_mask:
         scores = jnp.where(published["candidate_mask"], scores, -jnp.inf)
-    idx = indexer.select(scores, cfg.index_topk, numerics)
+    idx = indexer.select(scores, cfg.index_topk, numerics, live=indexer.live_entries(pos_bt, plan.ratio))
     published[f"topk_{plan.layer_id}"] = idx
     return idx
 

@@ -69,5 +69,6 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
     dots = jnp.einsum("bthd,bsd->bths", iq.astype(jnp.float32), index_k, precision=jax.lax.Precision.HIGHEST)
     scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
     visible = jnp.arange(n_entries)[None, None, :] < visible_n[..., None]
-    idx = indexer.select(jnp.where(visible, scores, -jnp.inf), cfg.index_topk, numerics)
+    idx = indexer.select(jnp.where(visible, scores, -jnp.inf), cfg.index_topk, numerics,
+                         live=jnp.max(visible_n))
     return src["kv"], idx, {**source_caches, key: src}

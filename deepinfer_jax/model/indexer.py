@@ -42,7 +42,7 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # 32k prefill on the H200, benchmarks/NOTES.md). Unquantized (exact) numerics keep fp32 operands.
     op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
     iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
-    n_visible = jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0)
+    n_visible = jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0)      # (live_entries: their max)
     # The kernel serves prefill chunks of fake-quantized values; decode steps (T = 1: its 64-query tiles
     # would be padding) and exact fp32 numerics always score here, whatever Numerics.kernels says.
     route, impl = "model", None
@@ -78,10 +78,42 @@ def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: 
     return jnp.repeat(keep, block, axis=-1)[..., :s]
 
 
-def select(scores_bts: jax.Array, k: int, numerics: Numerics) -> jax.Array:
+# A prefill chunk's top-k runs on the first LIVE_WIDTH_BUCKETS-th, 2/LIVE_WIDTH_BUCKETS-th, ... of the
+# entries, the narrowest that holds every visible one (``select``'s ``live``).
+LIVE_WIDTH_BUCKETS = 4
+
+
+def live_widths(s: int, k: int, buckets: int = LIVE_WIDTH_BUCKETS, align: int = 256) -> tuple[int, ...]:
+    """The widths ``select`` may cut S entries to: S * i / buckets rounded up to ``align``, at least k,
+    ascending and distinct, the last S."""
+    cuts = {min(s, max(k, -(-s * i // buckets // align) * align)) for i in range(1, buckets)}
+    return tuple(sorted(cuts | {s}))
+
+
+def select(scores_bts: jax.Array, k: int, numerics: Numerics, live: jax.Array | None = None) -> jax.Array:
     """idx [B, T, min(k, S)]: each row's top-k entries in ascending order, -1 = none
-    (``pallas_kernels.topk.topk_indices``)."""
+    (``pallas_kernels.topk.topk_indices``).
+
+    live: optional int32 scalar, a bound on the entries any row can reach: every score from column
+    ``live`` on is -inf in every row (the batch's most visible entries). A prefill chunk (T > 1) then
+    selects from the narrowest of ``live_widths`` that holds them. The picks are an exact function of
+    each row and the cut-off columns are unreachable, so every width gives the same result, bit for bit,
+    whatever the other rows are (tests/test_topk.py). Why: the bisection's 16 passes read the whole
+    row, and at a 32k prompt's early chunks most of a ratio-1 layer's 32k index entries are not yet
+    visible; at chunk 8192 the average width falls to ~63 % of S, at chunk 16384 to ~75 %."""
     # No Pallas top-k: only "xla" has a path to force; otherwise the registry picks (numerics.py).
     impl = XLA if numerics.kernel_mode("indexer") == "xla" else None
-    # min: a row shorter than k keeps S columns (the op would pad to k with -1s the attention would read).
-    return topk_indices(scores_bts, min(k, scores_bts.shape[-1]), impl=impl, selection=AUTO)
+    s = scores_bts.shape[-1]
+    kk = min(k, s)   # a row shorter than k keeps S columns (the op would pad to k with -1s the attention would read)
+    widths = live_widths(s, kk)
+    if live is None or scores_bts.shape[1] == 1 or len(widths) == 1:
+        # decode steps keep one width: a conditional there would cut the step's CUDA graph
+        return topk_indices(scores_bts, kk, impl=impl, selection=AUTO)
+    branches = [lambda sc, w=w: topk_indices(sc[..., :w], kk, impl=impl, selection=AUTO) for w in widths]
+    which = jnp.sum(jnp.asarray(live, jnp.int32) > jnp.asarray(widths[:-1], jnp.int32))
+    return jax.lax.switch(which, branches, scores_bts)
+
+
+def live_entries(pos_bt: jax.Array, ratio: int) -> jax.Array:
+    """The most entries any row of the batch sees at ratio ``ratio`` (``index_scores``' visibility)."""
+    return jnp.max(jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0))
