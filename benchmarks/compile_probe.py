@@ -144,33 +144,32 @@ def main(argv=None) -> int:
                     help="Numerics.dense_kernel_linears: comma-separated dense_fp8.DENSE_LINEARS names, or 'all' "
                     "(default: the Numerics default)")
     args = ap.parse_args(argv)
-    from deepinfer_jax.model.dense_fp8 import parse_linear_names
-    from deepinfer_jax.model.numerics import Numerics
-
-    defaults = Numerics.reference()
-    dense_kernel = args.dense_kernel or defaults.dense_kernel
-    linears = (defaults.dense_kernel_linears if args.dense_kernel_linears is None
-               else parse_linear_names(args.dense_kernel_linears))
 
     sharding = compile_only_sharding(args.target_config)
     resolve_as_cuda()
     from deepinfer_jax.engine.scheduler import EngineConfig, Scheduler
     from deepinfer_jax.engine.token_map import compressed_token_map
     from deepinfer_jax.engine.tokenizer import Tokenizer
+    from deepinfer_jax.model.dense_fp8 import parse_linear_names
+    from deepinfer_jax.model.numerics import Numerics
     from e2e_gpu import decode_inputs, with_prefill_chunk_tiles, with_segment_rows
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
     if args.prefill_chunk_tiles:
         with_prefill_chunk_tiles()
-    params = abstract_params(cfg, dense_kernel=dense_kernel != "off", dense_linears=linears)
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
-    # decoder the slice allows
+    # decoder the slice allows; the dense-kernel options are the Numerics defaults unless given
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
-                                   dense_kernel=dense_kernel, dense_kernel_linears=linears,
                                    attention_fp4_rows=args.attention_fp4_rows)
+    if args.dense_kernel is not None:
+        numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
+    if args.dense_kernel_linears is not None:
+        numerics = dataclasses.replace(numerics, dense_kernel_linears=parse_linear_names(args.dense_kernel_linears))
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
+    params = abstract_params(cfg, dense_kernel=numerics.dense_kernel != "off",
+                             dense_linears=numerics.dense_kernel_linears)
     tok = Tokenizer.from_dir(TOKENIZER_DIR)
     token_map, _ = compressed_token_map(TOKENIZER_DIR / "tokenizer.json", cfg.vocab_size)
     records = []

@@ -42,7 +42,7 @@ def compressed_inputs(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Arr
     j_write = jnp.where(emits, pos_bt // r, n_entries)  # out of range -> dropped
     src["kv"] = kv_codec.scatter(src["kv"], rows, j_write, kv_codec.encode(lay.compressed, ckv, kvq, dt))
 
-    visible_n = jnp.where(pos_bt >= 0, (pos_bt + 1) // r, 0)  # [B, T] entries a row may read
+    visible_n = indexer.visible_entries(pos_bt, r)  # [B, T] entries a row may read
     if not plan.has_indexer:
         entries = jnp.arange(n_entries, dtype=jnp.int32)
         idx = jnp.where(entries[None, None, :] < visible_n[..., None], entries, -1)

@@ -42,7 +42,7 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # 32k prefill on the H200, benchmarks/NOTES.md). Unquantized (exact) numerics keep fp32 operands.
     op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
     iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
-    n_visible = jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0)      # (live_entries: their max)
+    n_visible = visible_entries(pos_bt, ratio)
     # The kernel serves prefill chunks of fake-quantized values; decode steps (T = 1: its 64-query tiles
     # would be padding) and exact fp32 numerics always score here, whatever Numerics.kernels says.
     route, impl = "model", None
@@ -114,6 +114,12 @@ def select(scores_bts: jax.Array, k: int, numerics: Numerics, live: jax.Array | 
     return jax.lax.switch(which, branches, scores_bts)
 
 
+def visible_entries(pos_bt: jax.Array, ratio: int) -> jax.Array:
+    """[B, T] -> [B, T]: the compressed entries (ratio ``ratio``) a query at each position may read; 0 for
+    padding (position -1)."""
+    return jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0)
+
+
 def live_entries(pos_bt: jax.Array, ratio: int) -> jax.Array:
-    """The most entries any row of the batch sees at ratio ``ratio`` (``index_scores``' visibility)."""
-    return jnp.max(jnp.where(pos_bt >= 0, (pos_bt + 1) // ratio, 0))
+    """The most entries any row of the batch sees (``select``'s ``live``)."""
+    return jnp.max(visible_entries(pos_bt, ratio))
