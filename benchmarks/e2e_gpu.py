@@ -842,6 +842,15 @@ def with_prefill_chunk_tiles() -> None:
     moe._tile_config = patched
 
 
+def without_topk_prefilter() -> None:
+    """The indexer's bisection top-k on whole rows, without its block-maximum candidate list
+    (``pallas_kernels.topk.select.candidate_threshold``): a benchmark-only A/B of the prefilter, which
+    finds the same threshold, so the same picks and bits."""
+    from pallas_kernels.topk import select
+
+    select.prefilter_capacity = lambda *a, **kw: 0
+
+
 def with_decode_block_m(block_m: int) -> None:
     """The decode-phase expert GEMMs (``tile_phase`` "decode": up to 12 rows per expert) with ``block_m``
     token rows per tile instead of the tuned table's (8 below 2 rows per expert, else 16): a
@@ -904,6 +913,8 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs (>= 96 rows an expert) on the chunk phase's 64-row tiles "
                     "(with_prefill_chunk_tiles: an A/B of the tile switch; the same bits)")
+    ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
+                    help="off: the indexer's bisection top-k on whole rows (without_topk_prefilter; an A/B)")
     ap.add_argument("--decode-block-m", type=int, default=None,
                     help="token rows per tile of the decode-phase expert GEMMs (default: the tuned table's, 8 "
                     "below 2 rows per expert, else 16); an A/B")
@@ -999,6 +1010,9 @@ def main(argv=None):
     if args.prefill_chunk_tiles:
         with_prefill_chunk_tiles()
     RESULTS["prefill_chunk_tiles"] = args.prefill_chunk_tiles
+    if args.topk_prefilter == "off":
+        without_topk_prefilter()
+    RESULTS["topk_prefilter"] = args.topk_prefilter
     RESULTS["decode_block_m"] = args.decode_block_m
     params_xla = params if "xla" in want else None   # the XLA-only path reads the checkpoint layout
     tile_major = False

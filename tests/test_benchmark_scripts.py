@@ -120,3 +120,45 @@ def test_matmul_macs_refuse_the_dense_kernels_load_time_form():
     held = {**layer, "attn": {"wo_a": {"kernel_fp8": {"w": jax.ShapeDtypeStruct((32, 64), jnp.float8_e4m3fn)}}}}
     with pytest.raises(ValueError, match="kernel_fp8"):
         matmul_macs_per_token(Cfg, {**stored, "layers": [held]})
+
+
+def test_hlo_sites_counts_named_bytes_in_nested_branches():
+    """hlo_sites --bytes: a launch's result plus its distinct operands at their shapes, in the entry and
+    in conditional branches nested in branches (marked), never in fused computations."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    import hlo_sites
+
+    hlo = """HloModule m
+
+%fused_add (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %a = f32[4,8]{1,0} add(%p, %p)
+}
+
+%inner_true (t: (f32[4,8])) -> u32[4] {
+  %t = (f32[4,8]{1,0}) parameter(0)
+  ROOT %r = u32[4]{0} fusion(%t), kind=kInput, calls=%fused_add, metadata={op_name="jit(f)/layer2/idx/cond/branch_1_fun/cond/reduce"}
+}
+
+%branch_a (b: (f32[4,8])) -> u32[4] {
+  %b = (f32[4,8]{1,0}) parameter(0)
+  %pred = pred[] fusion(%b), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/layer2/idx/cond/branch_1_fun/gt"}
+  ROOT %c = u32[4]{0} conditional(%pred, %b, %b), true_computation=%inner_true, false_computation=%inner_true
+}
+
+ENTRY %main (x: f32[4,8], i: s32[]) -> u32[4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %y = bf16[4,8]{1,0} fusion(%x, %x), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/layer2/mlp/convert"}
+  %tup = (f32[4,8]{1,0}) tuple(%x)
+  ROOT %s = u32[4]{0} conditional(%i, %tup, %tup), branch_computations={%branch_a, %branch_a}
+}
+"""
+    assert hlo_sites.shape_bytes("(f32[4,8]{1,0}, f8e4m3fn[2]{0}, pred[])") == 128 + 2 + 1
+    rows = hlo_sites.launch_bytes(hlo)
+    assert ("fusion", "jit(f)/layer2/mlp/convert", 64 + 128, False) in rows   # bf16 result + x once
+    assert ("fusion", "jit(f)/layer2/idx/cond/branch_1_fun/cond/reduce", 16 + 128, True) in rows
+    assert ("fusion", "jit(f)/layer2/idx/cond/branch_1_fun/gt", 1 + 128, True) in rows
+    assert not any("fused_add" in name for _, name, _, _ in rows) and len(rows) == 3

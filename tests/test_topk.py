@@ -111,6 +111,117 @@ def test_least_key_below_with_masses_is_the_least_threshold(bits_per_pass):
         assert counts_t[row] == np.sort(keys[row])[::-1][k - 1], row
 
 
+def _candidate_overflow(scores, k, block, capacity):
+    """Does select_on_candidates's list overflow for these float32 rows (its fallback runs)? From numpy's
+    candidate blocks (keys ranked as the scores, NaN lowest), which must be ``candidate_blocks``'s."""
+    from pallas_kernels.topk.select import candidate_blocks, order_key
+
+    keys = np.where(np.isnan(scores), 0, np.asarray(order_key(jnp.asarray(scores)))).astype(np.uint32)
+    nb = -(-keys.shape[1] // block)
+    bmax = np.pad(keys, ((0, 0), (0, nb * block - keys.shape[1]))).reshape(len(keys), nb, block).max(-1)
+    m = np.sort(bmax, axis=1)[:, ::-1][:, k - 1] if nb >= k else np.zeros(len(keys), np.uint32)
+    cand = bmax >= np.maximum(m, 0x007FFFFF + 1)[:, None]             # 0x007FFFFF: order_key(-inf)
+    np.testing.assert_array_equal(np.asarray(candidate_blocks(jnp.asarray(scores), k, block)), cand)
+    return bool(np.any(cand.sum(1) > capacity))
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_select_on_candidates_is_select_rows_on_both_paths(block):
+    """select_on_candidates picks from the blocks whose maximum reaches the k-th largest block maximum:
+    the same columns as select_rows on the whole row and as numpy's lexsort, whether the list holds
+    every row's candidates or a tie-heavy row sends the call to the whole rows (both cases checked to
+    occur). Rows with spread scores, exact ties across the k-th score, few reachable entries (the rest
+    -inf or NaN, some packed into a few blocks), and lengths that are not a multiple of the block."""
+    from pallas_kernels.topk.select import order_key, score_key, select_on_candidates, select_rows
+
+    assert int(np.asarray(order_key(jnp.float32(-jnp.inf)))) == 0x007FFFFF
+    r = np.random.default_rng(block)
+    k, capacity = 24, 30
+    for s in (997, 1000):
+        spread = r.standard_normal((5, s)).astype(np.float32)
+        spread[4, 300:310] = np.sort(spread[4])[::-1][k - 3]                   # ties across the k-th score
+        sparse = np.full((3, s), -np.inf, np.float32)
+        sparse[0, r.choice(s, 10, replace=False)] = spread[0, :10]            # fewer reachable than k
+        sparse[1, 100:100 + 3 * k] = spread[1, :3 * k]                          # > k reachable in < k blocks
+        sparse[2, ::2] = np.nan                                                  # NaN among -inf
+        sparse[2, 5:5 + k] = spread[2, :k]
+        ties = r.integers(-3, 4, (2, s)).astype(np.float32)
+        for rows, overflows in ((np.concatenate([spread, sparse]), False), (np.concatenate([spread, ties]), True)):
+            assert _candidate_overflow(rows, k, block, capacity) == overflows
+            got = np.asarray(jax.jit(lambda x: select_on_candidates(x, k, block, capacity))(jnp.asarray(rows)))
+            np.testing.assert_array_equal(got, np.asarray(select_rows(score_key(jnp.asarray(rows)), k)),
+                                          err_msg=f"S={s} overflow={overflows}")
+            np.testing.assert_array_equal(got, _oracle(rows, k), err_msg=f"S={s} overflow={overflows}")
+
+
+def test_select_topk_with_the_prefilter_matches_the_oracle(monkeypatch):
+    """Rows long enough for the prefilter (S >= 2 x the candidate list's keys): the picks are the
+    oracle's, with the list used (gaussian rows, -inf tails, NaN, signed zeros) and with its fallback
+    (tie-heavy rows), and bitwise the picks with the prefilter off."""
+    from pallas_kernels.topk import select as select_mod
+
+    r = np.random.default_rng(21)
+    k, s = 32, 1500
+    assert select_mod.prefilter_capacity(k, s) == 40
+    gauss = r.standard_normal((6, s)).astype(np.float32)
+    gauss[0, 300:] = -np.inf                                   # a short visible prefix
+    gauss[1, ::7] = np.nan
+    gauss[2, :50] = -0.0
+    gauss[2, 50:100] = 0.0
+    gauss[3, :] = -np.inf
+    gauss[3, 900:920] = 1.0                                    # 20 reachable, tied
+    assert not _candidate_overflow(gauss, k, select_mod.PREFILTER_BLOCK, 40)
+    ties = _tie_heavy(r, (3, s))
+    assert _candidate_overflow(ties, k, select_mod.PREFILTER_BLOCK, 40)
+    for rows in (gauss, ties):
+        got = np.asarray(jax.jit(lambda x: select_mod.select_topk(x, k))(jnp.asarray(rows)))
+        np.testing.assert_array_equal(got, _oracle(rows, k))
+        with monkeypatch.context() as m:
+            m.setattr(select_mod, "prefilter_capacity", lambda *a, **kw: 0)
+            np.testing.assert_array_equal(np.asarray(select_mod.select_topk(jnp.asarray(rows), k)), got)
+
+
+@pytest.mark.parametrize("may_branch", [False, True])
+@pytest.mark.parametrize("method", METHODS + ("reference",))
+def test_width_ranks_the_first_columns_like_a_slice(method, may_branch, monkeypatch):
+    """topk_indices(..., width=W) picks what it picks on scores[..., :W], for every method, with W long
+    enough for the bisection's candidate list and short of it, and k above W; with and without leave
+    to branch (the candidate list's conditional), which changes no pick."""
+    from pallas_kernels.topk import select as select_mod
+
+    monkeypatch.setattr(topk_xla, "SELECT_MIN_SCORES", 1)    # "auto" bisects here, as at a prefill chunk
+    r = np.random.default_rng(5)
+    s = r.standard_normal((2, 3, 1600)).astype(np.float32)
+    s[0, 1, 500:] = s[0, 1, 0]                               # ties, past a narrow width too
+    if method == "reference":
+        fn = functools.partial(topk_indices, impl="reference")
+    else:
+        fn = functools.partial(topk_indices_xla, method=method)
+    for width, k in ((1600, 32), (1400, 32), (600, 32), (20, 32)):
+        assert (select_mod.prefilter_capacity(32, width) > 0) == (width >= 640)
+        got = jax.jit(lambda x: fn(x, k, width=width, may_branch=may_branch))(jnp.asarray(s))
+        np.testing.assert_array_equal(np.asarray(got), _oracle(s[..., :width], k), err_msg=f"{width}")
+
+
+def test_indexer_select_branches_in_prefill_chunks_only(monkeypatch):
+    """The candidate list's conditional (and the live-width switch) appear in a prefill chunk's top-k
+    and never in a decode step's (T = 1), whose CUDA graph a conditional would cut; both pick the
+    oracle's entries."""
+    from deepinfer_jax.model.indexer import select
+    from deepinfer_jax.model.numerics import Numerics
+
+    monkeypatch.setattr(topk_xla, "SELECT_MIN_SCORES", 1)
+    num = Numerics.reference()
+    r = np.random.default_rng(9)
+    for t in (1, 4):
+        sc = r.standard_normal((2, t, 2048)).astype(np.float32)
+        for live in (None, jnp.int32(2048)):
+            fn = lambda x: select(x, 64, num, live=live)   # noqa: E731
+            jaxpr = str(jax.make_jaxpr(fn)(jnp.asarray(sc)))
+            assert ("cond[" in jaxpr) == (t > 1), (t, live)
+            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(jnp.asarray(sc))), _oracle(sc, 64))
+
+
 def test_auto_selects_by_bisection_from_select_min_scores(monkeypatch):
     s = jnp.zeros((1, 4, 64))
 

@@ -106,10 +106,12 @@ def select(scores_bts: jax.Array, k: int, numerics: Numerics, live: jax.Array | 
     s = scores_bts.shape[-1]
     kk = min(k, s)   # a row shorter than k keeps S columns (the op would pad to k with -1s the attention would read)
     widths = live_widths(s, kk)
-    if live is None or scores_bts.shape[1] == 1 or len(widths) == 1:
-        # decode steps keep one width: a conditional there would cut the step's CUDA graph
-        return topk_indices(scores_bts, kk, impl=impl, selection=AUTO)
-    branches = [lambda sc, w=w: topk_indices(sc[..., :w], kk, impl=impl, selection=AUTO) for w in widths]
+    # decode steps keep one width and no candidate list: a conditional there would cut the step's CUDA graph
+    prefill = scores_bts.shape[1] > 1
+    if live is None or not prefill or len(widths) == 1:
+        return topk_indices(scores_bts, kk, impl=impl, selection=AUTO, may_branch=prefill)
+    branches = [lambda sc, w=w: topk_indices(sc, kk, impl=impl, selection=AUTO, width=w, may_branch=True)
+                for w in widths]
     which = jnp.sum(jnp.asarray(live, jnp.int32) > jnp.asarray(widths[:-1], jnp.int32))
     return jax.lax.switch(which, branches, scores_bts)
 

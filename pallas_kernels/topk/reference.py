@@ -29,9 +29,10 @@ def pad_to_k(idx: jax.Array, k: int) -> jax.Array:
     return jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, short)], constant_values=-1)
 
 
-def topk_indices_reference(scores_bts: jax.Array, k: int) -> jax.Array:
-    """-> idx_btk int32. Same contract as ``pallas_kernels.topk.topk_indices``."""
-    s = canonical_scores(scores_bts)
+def topk_indices_reference(scores_bts: jax.Array, k: int, *, width: int | None = None,
+                           may_branch: bool = False) -> jax.Array:
+    """-> idx_btk int32. Same contract as ``pallas_kernels.topk.topk_indices`` (one sort: never branches)."""
+    s = canonical_scores(scores_bts[..., :width])
     n = s.shape[-1]
     kk = min(k, n)
     iota = lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1)

@@ -4,6 +4,12 @@ A row's k-th largest value is found by counting passes over uint32 keys whose un
 float order, ``BITS_PER_PASS`` bits of it a pass; what is above it, plus the lowest-index ties, is
 already in index order. No sort. ``order_key`` is shared with the sampler's top-k/top-p thresholds and
 ``true_columns`` with the window's mask compaction.
+
+Long rows select on a short candidate list (``select_on_candidates``): the blocks of ``PREFILTER_BLOCK``
+keys whose maximum reaches the k-th largest block maximum hold every key the row's top-k can contain,
+and there are about k of them. The passes and the prefix sums then read ~k * block keys a row instead
+of S, plus 16 passes over the S / block maxima. When some row's block maxima tie too often for the list,
+the whole call selects on whole rows (``lax.cond``). Either way the picks are the same.
 """
 
 from __future__ import annotations
@@ -18,22 +24,102 @@ _NEG_INF_KEY = 0x007FFFFF   # order_key(-inf); select_topk maps NaN below it
 # two, 1.96 ms four, 2.98 ms for the stable sort; at S = 4104 and 8200 two bits was the fastest too.
 BITS_PER_PASS = 2
 
+# The prefilter's block (keys whose maximum one block-max stands for) and its candidate list: room for
+# k + k / PREFILTER_SLACK_DIV blocks (ties at the k-th block maximum beyond that fall back). Used from
+# PREFILTER_MIN_RATIO x the list's keys a row. Why: the deviceless H200 HLO of a chunk-16384 prefill has
+# a ratio-1 indexer's 16 passes reading 35 GB a layer-chunk ([16384, 32784] uint32 keys each pass),
+# ~70 % of its top-k's bytes; with blocks of 8 the passes read 1/8 of that for the maxima plus k * 8 * 1.25
+# keys a row.
+PREFILTER_BLOCK = 8
+PREFILTER_SLACK_DIV = 4
+PREFILTER_MIN_RATIO = 2
 
-def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
-    """[..., S] -> [..., k] int32 (k <= S): the k best reachable entries in index order, then -1.
-    Same picks as ``pallas_kernels.topk.topk_indices``; 32 / bits_per_pass counting passes and two
-    prefix sums a row."""
-    x = scores.astype(jnp.float32)
-    key = jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(x))
-    reachable = key > _NEG_INF_KEY
+
+def select_topk(scores: jax.Array, k: int, *, bits_per_pass: int = BITS_PER_PASS,
+                width: int | None = None, prefilter: bool = True) -> jax.Array:
+    """[..., S] -> [..., k] int32 (k <= width): the k best reachable entries among the first ``width``
+    (default S) in index order, then -1. Same picks as ``pallas_kernels.topk.topk_indices``; 32 /
+    bits_per_pass counting passes and two prefix sums a row (on the candidate list where ``prefilter``
+    allows it and ``prefilter_capacity`` gives one; the list puts a ``lax.cond`` in the program).
+    Reading the first columns of the whole array (not a slice of it) lets every pass read them in
+    place: a slice passed on would be written out first."""
+    *lead, s = scores.shape
+    width = s if width is None else width
+    rows = scores.astype(jnp.float32).reshape(-1, s)
+    capacity = prefilter_capacity(k, width) if prefilter else 0
+    if capacity:
+        picks = select_on_candidates(rows, k, PREFILTER_BLOCK, capacity, bits_per_pass, width)
+    else:
+        picks = select_rows(score_key(rows[:, :width]), k, bits_per_pass)
+    return picks.reshape(*lead, k)
+
+
+def score_key(x: jax.Array) -> jax.Array:
+    """float32 scores -> ``order_key``, with NaN at key 0: below order_key(-inf), never picked."""
+    return jnp.where(jnp.isnan(x), jnp.uint32(0), order_key(x))
+
+
+def select_rows(key_rs: jax.Array, k: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
+    """uint32 [R, S] -> [R, k] int32: the columns of each row's k largest keys above order_key(-inf)
+    (lower column first among equals), ascending, then -1."""
     need = jnp.int32(k)
-    rows = key.reshape(-1, key.shape[-1])
-    t = least_key_below(rows, need, bits_per_pass).reshape(*key.shape[:-1], 1)   # the k-th largest key
-    above = key > t
-    tie = key == t
+    t = least_key_below(key_rs, need, bits_per_pass)[:, None]   # the k-th largest key
+    above = key_rs > t
+    tie = key_rs == t
     room = need - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-    keep = reachable & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
+    keep = (key_rs > _NEG_INF_KEY) & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
     return true_columns(keep, k)
+
+
+def prefilter_capacity(k: int, s: int, block: int = PREFILTER_BLOCK) -> int:
+    """Candidate blocks a row keeps in ``select_on_candidates`` for a top-k of S keys; 0: the row is
+    too short for the prefilter to pay."""
+    capacity = k + -(-k // PREFILTER_SLACK_DIV)
+    return capacity if capacity * block * PREFILTER_MIN_RATIO <= s else 0
+
+
+def select_on_candidates(x_rs: jax.Array, k: int, block: int, capacity: int,
+                         bits_per_pass: int = BITS_PER_PASS, width: int | None = None) -> jax.Array:
+    """float32 scores [R, S] -> ``select_rows(score_key(x_rs[:, :width]), k)``, bit for bit, from each
+    row's candidate blocks (``candidate_blocks``) laid end to end: at most ``capacity`` blocks a row,
+    else the whole call runs ``select_rows``. Keys are made where they are read (the block maxima, the
+    gathered candidates), so no [R, S] key array is written.
+
+    Why the picks are the same: let m be the k-th largest of a row's block maxima and t its k-th
+    largest key. The k blocks at or above m each hold a key >= m, so t >= m, and every key >= t (the
+    picks, the ties and the keys above) lies in a block whose maximum is >= m. Keys at or below
+    order_key(-inf) are never picked, so when m is that low (fewer than k blocks hold a reachable key)
+    the blocks that hold one suffice: they hold every reachable key. So the candidate blocks are those
+    whose maximum is >= max(m, order_key(-inf) + 1); in ascending block order their keys keep the row's
+    column order, so the lower-column-first tie rule and the ascending output carry over. Empty slots
+    of the list hold key 0, which is never picked."""
+    r, s = x_rs.shape
+    width = s if width is None else width
+    cand = candidate_blocks(x_rs[:, :width], k, block, bits_per_pass)
+    overflow = jnp.any(jnp.sum(cand, axis=-1, dtype=jnp.int32) > capacity)
+
+    def on_candidates(x_rs):
+        ids = true_columns(cand, capacity)                                     # [R, capacity], -1 = none
+        cols = (ids[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(r, capacity * block)
+        real = (cols >= 0) & (cols < width)                    # a list slot, not past the row's end
+        x = jnp.take_along_axis(x_rs, jnp.where(real, cols, 0), axis=1)
+        local = select_rows(jnp.where(real, score_key(x), jnp.uint32(0)), k, bits_per_pass)  # list positions
+        return jnp.where(local >= 0, jnp.take_along_axis(cols, jnp.maximum(local, 0), axis=1), -1)
+
+    return jax.lax.cond(overflow, lambda x_rs: select_rows(score_key(x_rs[:, :width]), k, bits_per_pass),
+                        on_candidates, x_rs)
+
+
+def candidate_blocks(x_rs: jax.Array, k: int, block: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
+    """float32 scores [R, S] -> bool [R, ceil(S / block)]: the blocks whose maximum key (``score_key``;
+    the last block padded with key 0, below every real key) is >= max(k-th largest block maximum,
+    order_key(-inf) + 1) (``select_on_candidates``)."""
+    r, s = x_rs.shape
+    nb = -(-s // block)
+    blocks = jnp.pad(x_rs, ((0, 0), (0, nb * block - s)), constant_values=jnp.nan).reshape(r, nb, block)
+    bmax = jnp.max(score_key(blocks), axis=-1)
+    m = least_key_below(bmax, jnp.int32(k), bits_per_pass)
+    return bmax >= jnp.maximum(m, jnp.uint32(_NEG_INF_KEY + 1))[:, None]
 
 
 def order_key(x_v: jax.Array, fold_signed_zeros: bool = True) -> jax.Array:

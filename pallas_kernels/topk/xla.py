@@ -1,7 +1,8 @@
 """XLA top-k for the indexer: three exact methods with the same result, chosen by size.
 
 * "select" (``select.py``): bisection on order-preserving integer keys; 16 counting passes and two
-  prefix sums over the row, no sort.
+  prefix sums over the row, no sort; on long rows over a list of candidate blocks instead of the row
+  (``select.select_on_candidates``).
 * "sort": a stable sort of the whole row on descending score. The H200 prefill trace of 2026-12-04 had
   XLA's segmented radix sort of [2048, 8192] rows at ~3.5 ms per indexer layer and 2048-token chunk.
 * "top_k": ``lax.top_k`` (documented: equal values come out lower index first). On the GPU it lowers to
@@ -43,13 +44,20 @@ def _lax_topk(scores: jax.Array, k: int) -> jax.Array:
 _METHODS = {"select": select_topk, "sort": _sort_topk, "top_k": _lax_topk}
 
 
-def topk_indices_xla(scores_bts: jax.Array, k: int, *, method: str = "auto") -> jax.Array:
+def topk_indices_xla(scores_bts: jax.Array, k: int, *, method: str = "auto", width: int | None = None,
+                     may_branch: bool = False) -> jax.Array:
     """-> idx_btk int32. Same contract as ``pallas_kernels.topk.topk_indices``.
 
-    method: "auto", "select", "sort" or "top_k" (module docstring)."""
+    method: "auto", "select", "sort" or "top_k" (module docstring). width: the "select" method reads the
+    first ``width`` columns in place; the others select on that slice. may_branch: "select" may use its
+    candidate list (a ``lax.cond``) on long rows."""
+    width = scores_bts.shape[-1] if width is None else min(width, scores_bts.shape[-1])
     if method == "auto":
-        method = "select" if scores_bts.size >= SELECT_MIN_SCORES else "sort"
+        method = "select" if scores_bts.size // scores_bts.shape[-1] * width >= SELECT_MIN_SCORES else "sort"
     if method not in _METHODS:
         raise ValueError(f"topk_indices_xla: unknown method {method!r} "
                          f"(want 'auto', {', '.join(map(repr, _METHODS))})")
-    return pad_to_k(_METHODS[method](scores_bts, min(k, scores_bts.shape[-1])), k)
+    kk = min(k, width)
+    if method == "select":
+        return pad_to_k(select_topk(scores_bts, kk, width=width, prefilter=may_branch), k)
+    return pad_to_k(_METHODS[method](scores_bts[..., :width], kk), k)
