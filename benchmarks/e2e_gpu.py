@@ -47,6 +47,10 @@ Sections:
   ``attention_prefill_split_rows=0``), ``fp4-rows`` or ``split320`` (one of the two), ``f32-dense`` (the
   dense linears as a float32 dot + convert, ``dense_bf16_out=False``): to compare with the prefill
   section's replay-off row on the same machine.
+* ptopk: the prefill of the last --prompts length at each --chunk, replay off, with the indexer's
+  bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
+  ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
+  compiled programs are cleared before and after, so each form compiles its own).
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -871,7 +875,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
-SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "nographs",
+SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "nographs",
             "bf16experts", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -1084,6 +1088,20 @@ def main(argv=None):
             change = variants[label]
             section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),
                     prompts[-1:], args.chunk, (False,), label)
+    if "ptopk" in want:   # A/B of the indexer's candidate list against the prefill section's rows
+        from deepinfer_jax.engine import scheduler as scheduler_module
+        from pallas_kernels.topk import select as topk_select
+
+        capacity = topk_select.prefilter_capacity
+        scheduler_module._compiled_steps.cache_clear()
+        without_topk_prefilter()
+        try:
+            for c in chunks:
+                section(f"prefill-topk-rows-chunk{c}", run_prefill, out, m, numerics, prompts[-1:], c, (False,),
+                        "topk-rows")
+        finally:
+            topk_select.prefilter_capacity = capacity
+            scheduler_module._compiled_steps.cache_clear()
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:
