@@ -47,7 +47,7 @@ Sections:
   ``attention_prefill_split_rows=0``), ``fp4-rows`` or ``split320`` (one of the two), ``f32-dense`` (the
   dense linears as a float32 dot + convert, ``dense_bf16_out=False``): to compare with the prefill
   section's replay-off row on the same machine.
-* ptopk: the prefill of the last --prompts length at each --chunk, replay off, with the indexer's
+* ptopk: the prefill of the last --prompts length at the first --chunk, replay off, with the indexer's
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
   compiled programs are cleared before and after, so each form compiles its own).
@@ -1096,9 +1096,8 @@ def main(argv=None):
         scheduler_module._compiled_steps.cache_clear()
         without_topk_prefilter()
         try:
-            for c in chunks:
-                section(f"prefill-topk-rows-chunk{c}", run_prefill, out, m, numerics, prompts[-1:], c, (False,),
-                        "topk-rows")
+            section("prefill-topk-rows", run_prefill, out, m, numerics, prompts[-1:], chunks[0], (False,),
+                    "topk-rows")
         finally:
             topk_select.prefilter_capacity = capacity
             scheduler_module._compiled_steps.cache_clear()
