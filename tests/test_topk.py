@@ -82,7 +82,7 @@ def test_bisection_finds_the_same_picks_at_every_pass_width(bits_per_pass):
     for k in (1, 7, 32, 64):
         got = jax.jit(lambda x: select_topk(x, k, bits_per_pass=bits_per_pass))(jnp.asarray(rows))
         np.testing.assert_array_equal(np.asarray(got), _oracle(rows, k), err_msg=str(k))
-    with pytest.raises(ValueError, match="must divide 32"):
+    with pytest.raises(ValueError, match="must divide the keys' (16|32) bits"):
         select_topk(jnp.asarray(rows), 3, bits_per_pass=3)
 
 
@@ -120,7 +120,8 @@ def _candidate_overflow(scores, k, block, capacity):
     nb = -(-keys.shape[1] // block)
     bmax = np.pad(keys, ((0, 0), (0, nb * block - keys.shape[1]))).reshape(len(keys), nb, block).max(-1)
     m = np.sort(bmax, axis=1)[:, ::-1][:, k - 1] if nb >= k else np.zeros(len(keys), np.uint32)
-    cand = bmax >= np.maximum(m, 0x007FFFFF + 1)[:, None]             # 0x007FFFFF: order_key(-inf)
+    m16 = m & np.uint32(0xFFFF0000)                                    # the bound the list uses
+    cand = bmax >= np.maximum(m16, 0x007FFFFF + 1)[:, None]           # 0x007FFFFF: order_key(-inf)
     np.testing.assert_array_equal(np.asarray(candidate_blocks(jnp.asarray(scores), k, block)), cand)
     return bool(np.any(cand.sum(1) > capacity))
 
@@ -220,6 +221,24 @@ def test_indexer_select_branches_in_prefill_chunks_only(monkeypatch):
             jaxpr = str(jax.make_jaxpr(fn)(jnp.asarray(sc)))
             assert ("cond[" in jaxpr) == (t > 1), (t, live)
             np.testing.assert_array_equal(np.asarray(jax.jit(fn)(jnp.asarray(sc))), _oracle(sc, 64))
+
+
+@pytest.mark.parametrize("bits_per_pass", [1, 2, 4])
+def test_least_key_below_on_uint16_keys_is_the_kth_largest(bits_per_pass):
+    """uint16 keys (the candidate list's block maxima, top halves) take 16 / bits_per_pass passes and
+    give numpy's k-th largest, ties and zeros included; other key types are refused."""
+    from pallas_kernels.topk.select import least_key_below
+
+    r = np.random.default_rng(30 + bits_per_pass)
+    keys = r.integers(0, 2**16, (4, 50)).astype(np.uint16)
+    keys[1, :25] = keys[1, 25:]                                     # ties
+    keys[3] = r.integers(0, 3, 50)                                  # near zero
+    budget = np.array([1, 7, 50, 20])
+    got = np.asarray(jax.jit(lambda x: least_key_below(x, jnp.asarray(budget), bits_per_pass))(jnp.asarray(keys)))
+    assert got.dtype == np.uint32
+    np.testing.assert_array_equal(got, [np.sort(keys[i])[::-1][budget[i] - 1] for i in range(4)])
+    with pytest.raises(ValueError, match="uint16 or uint32"):
+        least_key_below(jnp.zeros((1, 4), jnp.int32), 1, bits_per_pass)
 
 
 def test_auto_selects_by_bisection_from_select_min_scores(monkeypatch):

@@ -90,7 +90,8 @@ def select_on_candidates(x_rs: jax.Array, k: int, block: int, capacity: int,
     picks, the ties and the keys above) lies in a block whose maximum is >= m. Keys at or below
     order_key(-inf) are never picked, so when m is that low (fewer than k blocks hold a reachable key)
     the blocks that hold one suffice: they hold every reachable key. So the candidate blocks are those
-    whose maximum is >= max(m, order_key(-inf) + 1); in ascending block order their keys keep the row's
+    whose maximum is >= max(m, order_key(-inf) + 1), or >= any lower bound of m in its place (the list
+    uses m with its low 16 bits cleared: cheaper to find); in ascending block order their keys keep the row's
     column order, so the lower-column-first tie rule and the ascending output carry over. Empty slots
     of the list hold key 0, which is never picked."""
     r, s = x_rs.shape
@@ -112,13 +113,17 @@ def select_on_candidates(x_rs: jax.Array, k: int, block: int, capacity: int,
 
 def candidate_blocks(x_rs: jax.Array, k: int, block: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
     """float32 scores [R, S] -> bool [R, ceil(S / block)]: the blocks whose maximum key (``score_key``;
-    the last block padded with key 0, below every real key) is >= max(k-th largest block maximum,
-    order_key(-inf) + 1) (``select_on_candidates``)."""
+    the last block padded with key 0, below every real key) is >= max(m16, order_key(-inf) + 1), where
+    m16 is the k-th largest block maximum with its low 16 bits cleared (``select_on_candidates``)."""
     r, s = x_rs.shape
     nb = -(-s // block)
     blocks = jnp.pad(x_rs, ((0, 0), (0, nb * block - s)), constant_values=jnp.nan).reshape(r, nb, block)
     bmax = jnp.max(score_key(blocks), axis=-1)
-    m = least_key_below(bmax, jnp.int32(k), bits_per_pass)
+    # m's top 16 bits, found on the maxima's top halves (half the passes, half the bytes): a lower bound
+    # of m, so the blocks at or above it still hold every key >= m, plus those tied with m to 16 bits
+    # (bf16 resolution). Keys above order_key(-inf) have top halves above its 0x007F, so the bound
+    # keeps the unreachable blocks out whenever m does.
+    m = least_key_below((bmax >> 16).astype(jnp.uint16), jnp.int32(k), bits_per_pass) << 16
     return bmax >= jnp.maximum(m, jnp.uint32(_NEG_INF_KEY + 1))[:, None]
 
 
@@ -134,24 +139,29 @@ def order_key(x_v: jax.Array, fold_signed_zeros: bool = True) -> jax.Array:
 
 def least_key_below(key_rs: jax.Array, budget: jax.Array, bits_per_pass: int,
                     mass_rs: jax.Array | None = None) -> jax.Array:
-    """key_rs uint32 [R, S] -> uint32 [R]: per row, the least t whose mass above it, sum(mass[key > t]),
-    is below ``budget`` (scalar or [R]); mass is 1 per key when None (integer counts: with budget k, the
-    k-th largest key when k <= S), else a non-negative [R, S] array.
+    """key_rs uint32 (or uint16) [R, S] -> uint32 [R]: per row, the least t whose mass above it,
+    sum(mass[key > t]), is below ``budget`` (scalar or [R]); mass is 1 per key when None (integer counts:
+    with budget k, the k-th largest key when k <= S), else a non-negative [R, S] array.
     Each pass narrows t's range 2**bits_per_pass-fold: one variadic reduce sums the mass above every
     sub-range's top, so the row is read once a pass. The mass above t can only fall as t grows (with
     float masses too: zeroing a term of a fixed-order sum of non-negative terms cannot raise it), so
-    every pass width finds the same t as a one-bit bisection that evaluates the same sums."""
-    if 32 % bits_per_pass:
-        raise ValueError(f"bits_per_pass={bits_per_pass} must divide 32")
+    every pass width finds the same t as a one-bit bisection that evaluates the same sums. uint16 keys
+    take half the passes, each reading half the bytes."""
+    if key_rs.dtype not in (jnp.uint16, jnp.uint32):
+        raise ValueError(f"least_key_below takes uint16 or uint32 keys, got {key_rs.dtype}")
+    key_bits = 8 * key_rs.dtype.itemsize
+    if key_bits % bits_per_pass:
+        raise ValueError(f"bits_per_pass={bits_per_pass} must divide the keys' {key_bits} bits")
     n = (1 << bits_per_pass) - 1
     budget = jnp.broadcast_to(jnp.asarray(budget), key_rs.shape[:1])
+    wide = key_rs.astype(jnp.uint32)   # (read as stored: the convert fuses into each pass)
     if mass_rs is None:
-        terms = lambda top: (key_rs > top[:, None]).astype(jnp.int32)                      # noqa: E731
+        terms = lambda top: (wide > top[:, None]).astype(jnp.int32)                        # noqa: E731
     else:
-        terms = lambda top: jnp.where(key_rs > top[:, None], mass_rs, jnp.zeros((), mass_rs.dtype))  # noqa: E731
+        terms = lambda top: jnp.where(wide > top[:, None], mass_rs, jnp.zeros((), mass_rs.dtype))  # noqa: E731
     zero = jnp.zeros((), jnp.int32 if mass_rs is None else mass_rs.dtype)
     lo = jnp.zeros(key_rs.shape[0], jnp.uint32)   # t lies in [lo, lo + 2**(shift + bits_per_pass) - 1]
-    for shift in range(32 - bits_per_pass, -1, -bits_per_pass):
+    for shift in range(key_bits - bits_per_pass, -1, -bits_per_pass):
         tops = [lo + jnp.uint32(((j + 1) << shift) - 1) for j in range(n)]
         sums = jax.lax.reduce(tuple(terms(top) for top in tops), (zero,) * n,
                               lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
