@@ -8,8 +8,9 @@ already in index order. No sort. ``order_key`` is shared with the sampler's top-
 Long rows select on a short candidate list (``select_on_candidates``): the blocks of ``PREFILTER_BLOCK``
 keys whose maximum reaches the k-th largest block maximum hold every key the row's top-k can contain,
 and there are about k of them. The passes and the prefix sums then read ~k * block keys a row instead
-of S, plus 16 passes over the S / block maxima. When some row's block maxima tie too often for the list,
-the whole call selects on whole rows (``lax.cond``). Either way the picks are the same.
+of S, plus 8 passes over the top halves of the S / block maxima. When some row's block maxima tie too
+often for the list, the whole call selects on whole rows (``lax.cond``). Either way the picks are the
+same.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ BITS_PER_PASS = 2
 # k + k / PREFILTER_SLACK_DIV blocks (ties at the k-th block maximum beyond that fall back). Used from
 # PREFILTER_MIN_RATIO x the list's keys a row. Why: the deviceless H200 HLO of a chunk-16384 prefill has
 # a ratio-1 indexer's 16 passes reading 35 GB a layer-chunk ([16384, 32784] uint32 keys each pass),
-# ~70 % of its top-k's bytes; with blocks of 8 the passes read 1/8 of that for the maxima plus k * 8 * 1.25
-# keys a row.
+# ~70 % of its top-k's bytes; with blocks of 8 the passes read k * 8 * 1.25 keys a row, plus the maxima's
+# top halves (1/16 of the keys' bytes) in half as many passes.
 PREFILTER_BLOCK = 8
 PREFILTER_SLACK_DIV = 4
 PREFILTER_MIN_RATIO = 2
