@@ -15,6 +15,8 @@ Each method is an exact function of the row, so choosing one by shape keeps resu
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -53,7 +55,7 @@ def topk_indices_xla(scores_bts: jax.Array, k: int, *, method: str = "auto", wid
     candidate list (a ``lax.cond``) on long rows."""
     width = scores_bts.shape[-1] if width is None else min(width, scores_bts.shape[-1])
     if method == "auto":
-        method = "select" if scores_bts.size // scores_bts.shape[-1] * width >= SELECT_MIN_SCORES else "sort"
+        method = "select" if math.prod(scores_bts.shape[:-1]) * width >= SELECT_MIN_SCORES else "sort"
     if method not in _METHODS:
         raise ValueError(f"topk_indices_xla: unknown method {method!r} "
                          f"(want 'auto', {', '.join(map(repr, _METHODS))})")
