@@ -848,8 +848,8 @@ def with_prefill_chunk_tiles() -> None:
 
 def without_topk_prefilter() -> None:
     """The indexer's bisection top-k on whole rows, without its block-maximum candidate list
-    (``pallas_kernels.topk.select.candidate_threshold``): a benchmark-only A/B of the prefilter, which
-    finds the same threshold, so the same picks and bits."""
+    (``pallas_kernels.topk.select.select_on_candidates``): a benchmark-only A/B of the list, which picks
+    the same entries, bit for bit."""
     from pallas_kernels.topk import select
 
     select.prefilter_capacity = lambda *a, **kw: 0

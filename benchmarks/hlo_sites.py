@@ -86,16 +86,12 @@ def launch_bytes(hlo_text: str) -> list[tuple[str, str, int, bool]]:
     out = []
     for comp in ["ENTRY", *branches]:
         for line in comps.get(comp, []):
-            if (m := _LAUNCH.match(line)) is None or (d := _DEF.match(line)) is None:
+            if (launch := launch_of(line)) is None or (d := _DEF.match(line)) is None:
                 continue
-            kind = m.group(1)
-            if kind == "custom-call" and (t := _TARGET.search(line)) is not None:
-                kind = f"custom-call:{t.group(1)}"
             args = line[d.end():].split(")", 1)[0]
             operands = set(re.findall(r"%([\w.\-]+)", args))
             moved = shape_bytes(d.group(2)) + sum(sizes.get(o, 0) for o in operands)
-            name = _OP_NAME.search(line)
-            out.append((kind, name.group(1) if name else "", moved, comp != "ENTRY"))
+            out.append((*launch, moved, comp != "ENTRY"))
     return out
 
 
@@ -103,16 +99,18 @@ def entry_launches(hlo_text: str) -> list[tuple[str, str]]:
     """(kind, op_name) for each launching instruction of the ENTRY computation."""
     start = hlo_text.index("\nENTRY")
     body = hlo_text[start:hlo_text.index("\n}\n", start)]
-    out = []
-    for line in body.split("\n"):
-        if (m := _LAUNCH.match(line)) is None:
-            continue
-        kind = m.group(1)
-        if kind == "custom-call" and (t := _TARGET.search(line)) is not None:
-            kind = f"custom-call:{t.group(1)}"
-        name = _OP_NAME.search(line)
-        out.append((kind, name.group(1) if name else ""))
-    return out
+    return [launch for line in body.split("\n") if (launch := launch_of(line)) is not None]
+
+
+def launch_of(line: str) -> tuple[str, str] | None:
+    """(kind, op_name) of an instruction line that launches a kernel, else None."""
+    if (m := _LAUNCH.match(line)) is None:
+        return None
+    kind = m.group(1)
+    if kind == "custom-call" and (t := _TARGET.search(line)) is not None:
+        kind = f"custom-call:{t.group(1)}"
+    name = _OP_NAME.search(line)
+    return kind, name.group(1) if name else ""
 
 
 def site(op_name: str, depth: int) -> str:
