@@ -138,6 +138,8 @@ def main(argv=None) -> int:
                     "Numerics default)")
     ap.add_argument("--attention-fp4-rows", default="decode",
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
+    ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
+                    help="off: the indexer's top-k on whole rows (e2e_gpu.without_topk_prefilter; the A/B)")
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs on the chunk phase's 64-row tiles (e2e_gpu.py's A/B switch)")
     ap.add_argument("--dense-kernel-linears", default=None,
@@ -152,12 +154,14 @@ def main(argv=None) -> int:
     from deepinfer_jax.engine.tokenizer import Tokenizer
     from deepinfer_jax.model.dense_fp8 import parse_linear_names
     from deepinfer_jax.model.numerics import Numerics
-    from e2e_gpu import decode_inputs, with_prefill_chunk_tiles, with_segment_rows
+    from e2e_gpu import decode_inputs, with_prefill_chunk_tiles, with_segment_rows, without_topk_prefilter
     from slice_model import TOKENIZER_DIR, slice_config
 
     cfg = slice_config(args.layers)
     if args.prefill_chunk_tiles:
         with_prefill_chunk_tiles()
+    if args.topk_prefilter == "off":
+        without_topk_prefilter()
     # as the GPU engine runs: unrolled Sinkhorn, the bf16 stream dot and dense outputs, the cheaper FP4
     # decoder the slice allows; the dense-kernel options are the Numerics defaults unless given
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
