@@ -138,6 +138,10 @@ def main(argv=None) -> int:
                     "Numerics default)")
     ap.add_argument("--attention-fp4-rows", default="decode",
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
+    ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
+                    help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="Numerics.kernel_pdl: the Mosaic GPU kernels under programmatic dependent launch")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
                     help="off: the indexer's top-k on whole rows (e2e_gpu.without_topk_prefilter; the A/B)")
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
@@ -166,7 +170,8 @@ def main(argv=None) -> int:
     # decoder the slice allows; the dense-kernel options are the Numerics defaults unless given
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
-                                   attention_fp4_rows=args.attention_fp4_rows)
+                                   attention_fp4_rows=args.attention_fp4_rows,
+                                   expert_w13_launch=args.w13_launch == "on", kernel_pdl=args.pdl)
     if args.dense_kernel is not None:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears is not None:

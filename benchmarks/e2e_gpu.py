@@ -56,6 +56,12 @@ Sections:
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
 * bf16experts: the decode row at --profile-batch and the first context with the FP4 experts' kernel
   operands in bf16 (``Numerics.expert_operands="bf16"``): the A/B of the E4M3 form on one machine.
+* w13two: the decode row at --profile-batch and the first context with the routed experts' w1 and w3
+  as two grouped GEMM launches (``Numerics.expert_w13_launch=False``) instead of one: the A/B on one
+  machine (same bits).
+* pdl: the decode row at --profile-batch and the first context with the Mosaic GPU kernels (grouped
+  GEMM, attention, Sinkhorn) under programmatic dependent launch (``Numerics.kernel_pdl``): the A/B on
+  one machine (same bits: the first step's token digest must match the decode row's).
 * densexla: with ``--dense-kernel`` on or decode, the decode row at --profile-batch and the first
   context with the dense FP8 linears as XLA's bf16 dots (``Numerics.dense_kernel="off"`` on bf16-held
   weights, the engine's other form): the A/B of the dense kernel on one machine.
@@ -79,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -410,9 +417,13 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
             if compile_s is None:
                 t = time.time()
                 with compile_log() as compile_events, python_profile(f"decode_b{b}"):
-                    jax.block_until_ready(step())
+                    first = jax.block_until_ready(step())
                 compile_s = time.time() - t
-            jax.block_until_ready(step())
+            else:
+                first = jax.block_until_ready(step())
+            # the first step's tokens from the same filled state: an A/B row of a form with the same bits
+            # (w13two, pdl) must show the decode row's digest
+            first_sha = hashlib.sha1(np.asarray(first).tobytes()).hexdigest()[:16]
             t = time.perf_counter()
             for _ in range(steps):
                 tok = step()
@@ -424,7 +435,8 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
             rec = dict(batch=b, context=ctx, ms_per_step=ms, ms_per_step_from_idle=ms_cold,
                        host_queue_ms_per_step=loop["queue_ms"],
                        tokens_per_s=b / (ms * 1e-3), compile_s=compile_s,
-                       compile_events=compile_events, bytes=need, peak_bytes=peak_bytes())
+                       compile_events=compile_events, bytes=need, peak_bytes=peak_bytes(),
+                       first_step_tokens_sha1=first_sha)
             if copy:
                 rec["hbm_fraction"] = need["total"] / (ms * 1e-3) / copy
             rows.append(rec)
@@ -432,7 +444,8 @@ def _decode_batch(m: Model, numerics: Numerics, b: int, contexts, max_len: int, 
                     f"bytes {need['total'] / 1e9:6.2f} GB")
             if copy:
                 line += f" = {rec['hbm_fraction']:.1%} of copy BW"
-            line += f" (from an idle GPU {ms_cold:.2f} ms/step; host queues a step in {loop['queue_ms']:.2f} ms)"
+            line += f" (from an idle GPU {ms_cold:.2f} ms/step; host queues a step in {loop['queue_ms']:.2f} ms;"
+            line += f" first step's tokens {first_sha})"
             log(line + f" (first call {compile_s:.0f} s)")
             TABLE.append(line)
     finally:
@@ -876,7 +889,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "nographs",
-            "bf16experts", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
+            "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
 def _xla_option(text: str) -> tuple[str, bool | int | str]:
@@ -917,6 +930,8 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs (>= 96 rows an expert) on the chunk phase's 64-row tiles "
                     "(with_prefill_chunk_tiles: an A/B of the tile switch; the same bits)")
+    ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
+                    help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
                     help="off: the indexer's bisection top-k on whole rows (without_topk_prefilter; an A/B)")
     ap.add_argument("--decode-block-m", type=int, default=None,
@@ -990,6 +1005,7 @@ def main(argv=None):
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     if args.expert_operands:
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
+    numerics = dataclasses.replace(numerics, expert_w13_launch=args.w13_launch == "on")
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1005,6 +1021,7 @@ def main(argv=None):
     RESULTS["dense_kernel_linears"] = numerics.dense_kernel_linears
     params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
+    RESULTS["expert_w13_launch"] = numerics.expert_w13_launch
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
         with_y_transposed()
@@ -1056,6 +1073,12 @@ def main(argv=None):
     if "bf16experts" in want:   # A/B of Numerics.expert_operands on the same machine as the decode row
         section("bf16-experts-decode", run_decode, out, m, dataclasses.replace(numerics, expert_operands="bf16"),
                 [args.profile_batch], contexts[:1], max_len, "bf16-experts")
+    if "w13two" in want:   # A/B of Numerics.expert_w13_launch against the decode section's row
+        section("w13-two-launches-decode", run_decode, out, m, dataclasses.replace(numerics, expert_w13_launch=False),
+                [args.profile_batch], contexts[:1], max_len, "w13-two-launches")
+    if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
+        section("pdl-decode", run_decode, out, m, dataclasses.replace(numerics, kernel_pdl=True),
+                [args.profile_batch], contexts[:1], max_len, "kernel-pdl")
     if "densexla" in want and params_dense_xla is not None:   # A/B of Numerics.dense_kernel: XLA's bf16 dots
         section("dense-xla-decode", run_decode, out, dataclasses.replace(m, params=params_dense_xla),
                 dataclasses.replace(numerics, dense_kernel="off"), [args.profile_batch], contexts[:1], max_len,

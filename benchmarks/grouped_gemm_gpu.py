@@ -18,6 +18,12 @@ is recorded and the next section runs):
 5. jax's ``ragged_dot_mgpu`` example as a baseline where it imports and compiles in time.
 A compact table is printed last.
 
+    PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --w13           # ~1-2 min
+
+runs the copy ceiling and the routed experts' w1 and w3 (FP4, the engine's configs) as one kernel launch
+against two, at decode 64 and 512 tokens x 6 and a prefill of 8k x 6: kernel ms of each and whether
+they give the same bits (``Numerics.expert_w13_launch``).
+
     PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --dequant-ab     # ~2-3 min on an H200
 
 runs only the copy ceiling and an A/B of the quantized kernels' dequantization (section 6): FP4 with the
@@ -84,13 +90,13 @@ def save():
 
 
 _MODE_SECTIONS = {"--dequant-ab": ("ceilings", "dequant_ab"), "--sweep": ("ceilings", "sweep"),
-                  "--invariance": ("correctness", "invariance")}
+                  "--invariance": ("correctness", "invariance"), "--w13": ("ceilings", "w13")}
 _MODE = next((m for m in _MODE_SECTIONS if m in sys.argv[1:]), None)
 
 
 def section(name: str, need_s: float):
     def deco(fn):
-        wanted = name in _MODE_SECTIONS[_MODE] if _MODE else name not in ("dequant_ab", "sweep")
+        wanted = name in _MODE_SECTIONS[_MODE] if _MODE else name not in ("dequant_ab", "sweep", "w13")
         if not wanted:
             if _MODE:
                 RESULTS["sections"][name] = f"skipped: {_MODE}"
@@ -791,6 +797,46 @@ def _():
             dense = dense_tflops(m)
             out[f"dense_bf16_tflops/{tokens}"] = dense
             TABLE.append(f"sweep dense bf16 matmul of the same FLOPs ({m}x{K_HIDDEN}x{N_WIDTH}): {dense:.0f} TF/s")
+    return out
+
+
+@section("w13", 30)
+def _():
+    """An expert FFN's w1 and w3 (FP4, the engine's configs and tile-major layout) as one launch
+    (``grouped_matmul_tiles(..., more=)``) against two launches on the same tile rows: kernel ms of
+    each and whether the outputs are the same bits (they should be)."""
+    from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, tile_rows
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+
+    fmt, out = WeightFormat.FP4, {}
+    w1, s1 = weights(fmt)
+    w3, s3 = make_weights(fmt, jax.random.key(5))
+    pairs = [(tile_major_weights(w, *TILE_MAJOR_TILE), kernel_scales(s, fmt, N_WIDTH)) for w, s in ((w1, s1), (w3, s3))]
+    iters = 1 if INTERPRET else 10
+    for phase, tokens in zip(("decode", "decode", "prefill"), TOKENS[:3]):
+        key = f"{phase}{tokens}"
+        if left() < 15:
+            out[key] = "skipped (time)"
+            continue
+        cfg = engine_fp4_cfg(tokens, "e4m3" if phase == "decode" else "bf16")
+        gid = routing(jax.random.key(tokens), tokens)
+        x = fp8_per_32(rows(jax.random.key(tokens + 1), tokens))
+        plan, x_pk = tile_rows(x, gid, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True,
+                               e4m3=uses_e4m3_rows(cfg, fmt), rows_per_source=TOP_K)
+        run = lambda xp, w, s, more=(), cfg=cfg, plan=plan: grouped_matmul_tiles(  # noqa: E731
+            plan, xp, w, s, config=cfg, scales_prepared=True, more=more)
+        one = jax.jit(lambda xp: run(xp, *pairs[0], more=(pairs[1],)))
+        two = jax.jit(lambda xp: jnp.concatenate([run(xp, *pairs[0]), run(xp, *pairs[1])], axis=1))
+        used = np.repeat(np.asarray(plan.tile_group) >= 0, cfg.block_m)
+        same = bool(np.array_equal(bits(one(x_pk))[used], bits(two(x_pk))[used]))
+        one_ms, _ = kernel_times_ms(one, x_pk, iters=iters)
+        two_ms, _ = kernel_times_ms(lambda xp: (run(xp, *pairs[0]), run(xp, *pairs[1])), x_pk, iters=iters)
+        out[key] = dict(one_launch_ms=one_ms, two_launches_ms=two_ms, same_bits=same,
+                        config=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages} c{cfg.consumers} "
+                               f"{cfg.fp4_operands}")
+        TABLE.append(f"w13 {phase:7s} {tokens:6d}x6: one launch {one_ms:.3f} ms, two {two_ms:.3f} ms "
+                     f"({one_ms / two_ms:.3f}x), same bits: {same}")
     return out
 
 

@@ -10,6 +10,22 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 
+def interpreting() -> bool:
+    """Whether the kernel being traced will run in the Mosaic GPU interpreter (``gpu_interpreter()``)."""
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def wait_for_prior_grids(pdl: bool) -> None:
+    """With ``pdl`` (a kernel config's programmatic dependent launch), wait on ``griddepcontrol.wait``:
+    called by every thread before its kernel reads or writes global memory, it lets the kernel be
+    launched while the grids it depends on still run. Tracing the wait marks the kernel as using PDL, so
+    the runtime launches it that way. Nothing in the interpreter, which runs kernels one by one."""
+    if pdl and not interpreting():
+        plgpu.griddepcontrol_wait()
+
+
 def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
     """The transforms of a shared-memory tile that TMA swizzles by ``swizzle_bytes`` (8-row tiles)."""
     return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))

@@ -794,7 +794,7 @@ def test_kernel_grid_of_exact_tiles_gives_the_bucketed_grids_bits():
     with _interpret():
         for t in (exact, bucket):
             plan, x_pk = _plan_and_gather(x, gid, num_groups=g, block_m=_TINY_CFG.block_m, num_tiles=t, fp4=True)
-            y = _run_kernel(plan.tile_group, x_pk, w, s_kn, fmt=WeightFormat.FP4, config=_TINY_CFG,
+            y = _run_kernel(plan.tile_group, x_pk, (w,), (s_kn,), fmt=WeightFormat.FP4, config=_TINY_CFG,
                             out_dtype=jnp.float32)
             outs.append(untile_rows(y, plan, jnp.float32))
     assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
@@ -828,3 +828,67 @@ def test_tile_major_weights_give_the_row_major_bits_in_gpu_interpreter(fmt):
     assert not races_found()
     with pytest.raises(ValueError, match="tile_major_weights"):
         grouped_matmul_pallas(x, w, gid, s, config=dataclasses.replace(_TINY_CFG, weights_tile_major=True))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_two_weights_in_one_launch_give_each_weights_own_bits_in_gpu_interpreter(fmt):
+    """``grouped_matmul_tiles(..., more=...)`` (an expert FFN's w1 and w3 in one launch): y's first N
+    columns are w's launch alone and the next N the second weight's, bit for bit, in both launches
+    and in the tile-major layout (its K steps reading half of each layout tile too); a second weight of
+    another shape is refused."""
+    from pallas_kernels.grouped_gemm.config import tile_major_weights
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, tile_rows
+
+    g, n, k, m = 3, 256, 256, 21
+    w, s, x, gid = _routed_problem(29, fmt, g, n, k, m)
+    w3, s3, _, _ = _routed_problem(31, fmt, g, n, k, m)
+    plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=16, fp4=fmt is WeightFormat.FP4)
+    used = np.repeat(np.asarray(plan.tile_group) >= 0, 16)      # unused tiles are never written
+    with _interpret():
+        for persistent in (False, True):
+            cfg = dataclasses.replace(_TINY_CFG, persistent=persistent)
+            alone = [grouped_matmul_tiles(plan, x_pk, a, b, config=cfg) for a, b in ((w, s), (w3, s3))]
+            both = grouped_matmul_tiles(plan, x_pk, w, s, config=cfg, more=((w3, s3),))
+            assert both.shape == (plan.row_src.shape[0], 2 * n)
+            for j, want in enumerate(alone):
+                assert np.array_equal(_bits(both[:, j * n:(j + 1) * n])[used], _bits(want)[used]), (persistent, j)
+            tm_cfg = dataclasses.replace(cfg, weights_tile_major=True)
+            for tile_k in (tm_cfg.block_k, 2 * tm_cfg.block_k):
+                w_t, w3_t = (tile_major_weights(a, tm_cfg.block_n, tile_k) for a in (w, w3))
+                both_t = grouped_matmul_tiles(plan, x_pk, w_t, s, config=tm_cfg, more=((w3_t, s3),))
+                assert np.array_equal(_bits(both_t)[used], _bits(both)[used]), (persistent, tile_k)
+    assert not races_found()
+    with pytest.raises(ValueError, match="shape and dtype"):
+        grouped_matmul_tiles(plan, x_pk, w, s, config=_TINY_CFG, more=((w[:, :128], s),))
+
+
+def test_pdl_configs_lower_with_the_grid_wait_and_others_without():
+    """``pdl=True`` (``Numerics.kernel_pdl``): the grouped GEMM, attention and Sinkhorn kernels lower for
+    CUDA with ``griddepcontrol.wait`` and the module marked as using PDL, which makes the runtime launch
+    them so; the default configs carry neither."""
+    from pallas_kernels.attention import SparseAttentionConfig
+    from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_pallas
+    from pallas_kernels.sinkhorn import SinkhornConfig
+    from pallas_kernels.sinkhorn.kernel import sinkhorn_rounds_pallas
+
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    g, n, k, m = 4, 256, 256, 40
+    gg_args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8))
+    b, t, h, d, s, kk = 1, 2, 64, 512, 256, 128
+    at_args = (jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16),
+               jax.ShapeDtypeStruct((b, t, kk), jnp.int32), jax.ShapeDtypeStruct((h,), jnp.float32))
+    sk_args = (jax.ShapeDtypeStruct((3, 5, 4, 4), jnp.float32),)
+    for pdl in (False, True):
+        kernels = {
+            "grouped_gemm": (lambda *a: grouped_matmul_pallas(*a, out_dtype=jnp.float32, config=GroupedMatmulConfig(
+                block_m=32, block_n=128, block_k=64, stages=3, pdl=pdl)), gg_args),
+            "attention": (lambda *a: sparse_sink_attention_pallas(*a, 0.05, SparseAttentionConfig(pdl=pdl)), at_args),
+            "sinkhorn": (lambda c: sinkhorn_rounds_pallas(c, rounds=3, eps=1e-6, config=SinkhornConfig(pdl=pdl)),
+                         sk_args),
+        }
+        for name, (fn, args) in kernels.items():
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, name
+            assert ("griddepcontrol.wait" in text) == pdl and ("uses_pdl" in text) == pdl, (name, pdl)

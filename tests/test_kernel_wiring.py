@@ -389,6 +389,34 @@ def test_moe_layer_in_gpu_interpreter(tiny_cfg):
     assert np.all(np.abs(np.asarray(y_int, np.float32) - np.asarray(y_ref, np.float32)) <= y_tol)
 
 
+def test_w1_and_w3_in_one_launch_change_no_bits(tiny_cfg):
+    """``Numerics.expert_w13_launch`` (default): the shared-plan path runs w1 and w3 as one kernel launch
+    (two launches then w2's one, counted), with the bits of their two launches (interpreter)."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm import kernel as gg_kernel
+
+    rng = np.random.default_rng(6)
+    p = _moe_layer(rng, 128, 128, 8)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    nq = Numerics("bfloat16", False, False)
+    assert nq.expert_w13_launch
+    ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
+    launches = {}
+    outs = {}
+    for one_launch in (True, False):
+        calls = launches[one_launch] = []
+        with pytest.MonkeyPatch.context() as mp:
+            real = gg_kernel.grouped_matmul_tiles
+            mp.setattr(gg_kernel, "grouped_matmul_tiles",
+                       lambda *a, **kw: calls.append(len(kw.get("more", ()))) or real(*a, **kw))
+            num = dataclasses.replace(nq, expert_w13_launch=one_launch)
+            outs[one_launch] = jax.block_until_ready(jax.jit(lambda xm: moe_module.routed_experts_grouped(
+                p["experts"], xm, ids, w, 10.0, num, 32, "interpret"))(x))
+    assert launches == {True: [1, 0], False: [0, 0, 0]}
+    assert np.array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
+
+
 def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     """``Numerics.expert_operands``: "e4m3" runs the FP4 experts' kernel on E4M3 operands (interpreter)
     within float32 rounding of the bf16 form (same products: the activations are FP8 values); the shared

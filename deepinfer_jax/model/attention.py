@@ -109,7 +109,7 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
 
     h, d = q_bthd.shape[-2:]
     ring = win_k_bwd.shape[1] - q_bthd.shape[1]   # window_keys' keys: the ring W, then the chunk's T rows
-    config = pk_attn.SparseAttentionConfig(split_rows=numerics.attention_split_rows)
+    config = pk_attn.SparseAttentionConfig(split_rows=numerics.attention_split_rows, pdl=numerics.kernel_pdl)
     # (the Mosaic GPU interpreter hangs on the FP4 variant: under "interpret" the decoded path runs)
     fp4 = (idx_btk is not None and comp_layout == kv_codec.COMPRESSED and "scale" in comp_kv
            and numerics.kernel_mode("attention") != "interpret")
@@ -254,7 +254,8 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
     # (no activation quantizer in front of wo_a: on the dense kernel its bf16 operand form)
     impl = dense_fp8.kernel_impl(p["wo_a"], numerics, b * t, "bf16")
     if impl is not None:
-        z = dense_fp8.kernel_matmul(o_g.reshape(b * t, g, -1), p["wo_a"], impl, "bf16").reshape(b, t, g, -1)
+        z = dense_fp8.kernel_matmul(o_g.reshape(b * t, g, -1), p["wo_a"], impl, "bf16",
+                                    numerics.kernel_pdl).reshape(b, t, g, -1)
     else:
         wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
         z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision, preferred_element_type=jnp.float32)

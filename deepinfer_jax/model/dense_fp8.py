@@ -139,19 +139,19 @@ def kernel_impl(p: dict, numerics: Numerics, m_rows: int, fp8_operands: str) -> 
     return impl if route == "op" and impl in (PALLAS_MOSAIC_GPU, "interpret") else None
 
 
-def config_for(m_rows: int, fp8_operands: str, *, interpret: bool):
+def config_for(m_rows: int, fp8_operands: str, *, interpret: bool, pdl: bool = False):
     """The kernel config of a prepared linear at m_rows rows (the interpreter: 64-wide K steps and the
     dequantized tile staged in shared memory, the form it can run; the same K order and so the same
-    bits)."""
+    bits). pdl: ``Numerics.kernel_pdl``."""
     if interpret:
-        return dense.dense_config(m_rows, fp8_operands, block_k=64, a_from_registers=False)
-    return dense.dense_config(m_rows, fp8_operands)
+        return dense.dense_config(m_rows, fp8_operands, block_k=64, a_from_registers=False, pdl=pdl)
+    return dense.dense_config(m_rows, fp8_operands, pdl=pdl)
 
 
-def kernel_matmul(x_mgk, p: dict, impl: str, fp8_operands: str) -> jax.Array:
+def kernel_matmul(x_mgk, p: dict, impl: str, fp8_operands: str, pdl: bool = False) -> jax.Array:
     """x [M, G, K] (or ``E4m3Rows`` of such, for the "e4m3" form) -> float32 [M, G, N] on the kernel
-    (``kernel_impl``'s route)."""
-    cfg = config_for(x_mgk.shape[0], fp8_operands, interpret=impl == "interpret")
+    (``kernel_impl``'s route). pdl: ``Numerics.kernel_pdl``."""
+    cfg = config_for(x_mgk.shape[0], fp8_operands, interpret=impl == "interpret", pdl=pdl)
     if impl != "interpret":
         return dense.dense_fp8_matmul(x_mgk, p[KERNEL_FP8], config=cfg)
     from pallas_kernels.interpret import gpu_interpreter

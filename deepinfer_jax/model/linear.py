@@ -138,7 +138,7 @@ def quant_linear(x: jax.Array, p: dict, numerics: Numerics, out_dtype=None, *, a
             x_m1k = type(rows)(rows.values[:, None], rows.scale[:, None])
         else:
             x_m1k = act_quant(x, numerics, act_block).reshape(-1, 1, k)
-        y = dense_fp8.kernel_matmul(x_m1k, p, impl, form)
+        y = dense_fp8.kernel_matmul(x_m1k, p, impl, form, numerics.kernel_pdl)
         return y.reshape(*lead, -1).astype(out_dtype or numerics.dtype)
     x = act_quant(x, numerics, act_block)
     w = weight_of(p, jnp.float32 if numerics.dtype == jnp.float32 else jnp.bfloat16)

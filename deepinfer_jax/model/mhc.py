@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.model.numerics import round_to_bf16
-from pallas_kernels.sinkhorn import SEGMENT_ROUNDS, sinkhorn_rounds, sinkhorn_rounds_xla
+from pallas_kernels.sinkhorn import SEGMENT_ROUNDS, SinkhornConfig, sinkhorn_rounds, sinkhorn_rounds_xla
 
 
 def split_bf16x3(w: jax.Array) -> jax.Array:
@@ -86,7 +86,7 @@ def stream_dot(x_btk: jax.Array, fn_mk: jax.Array, bf16: bool = False,
 def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
           hc_eps: float, sinkhorn_iters: int, unroll: bool = False, segment_rows: int | None = None,
           bf16_dot: bool = False, sinkhorn_impl: str | None = None,
-          rows_local: Callable | None = None, fn_parts: jax.Array | None = None,
+          rows_local: Callable | None = None, fn_parts: jax.Array | None = None, pdl: bool = False,
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) from the flattened stream (stream-major columns).
 
@@ -96,6 +96,7 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
     ``Numerics.sinkhorn_unroll``); segment_rows, from this many rows B*T the unrolled rounds are cut
     into segments of ``pallas_kernels.sinkhorn.SEGMENT_ROUNDS`` (``Numerics.sinkhorn_segment_rows``; None: never).
     bf16_dot: ``stream_dot``'s bf16 form; fn_parts: its split of fn made ahead (``prepare_stream_dots``).
+    pdl: the Sinkhorn kernel's ``SinkhornConfig.pdl`` (``Numerics.kernel_pdl``).
     rows_local: for the op, a wrapper that runs a function of [B, ...] arrays on each device's own
     rows (``ParallelContext.batch_local``): GSPMD cannot split a Pallas call, so on a mesh it would
     gather every device's rows and run the whole batch on each."""
@@ -125,7 +126,8 @@ def mixes(x_bthd: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *
         from pallas_kernels.registry import AUTO
 
         def run(c):
-            return sinkhorn_rounds(c, rounds=rounds, eps=hc_eps, impl=sinkhorn_impl, selection=AUTO)
+            return sinkhorn_rounds(c, rounds=rounds, eps=hc_eps, impl=sinkhorn_impl, selection=AUTO,
+                                   config=SinkhornConfig(pdl=pdl))
     return pre, post, (run if rows_local is None else rows_local(run))(comb)
 
 

@@ -269,7 +269,7 @@ def _tile_config(p_lin: dict, m_rows: int, numerics: Numerics, act_block: int = 
     k = kw * (2 if fmt.value == "fp4" else 1)
     fits = numerics.fp4_scale_max is not None and numerics.fp4_scale_max <= SUBNORMAL_MAX_SCALE_BYTE
     base = GroupedMatmulConfig(fp4_dequant="subnormal" if fits else "packed",
-                               fp4_operands=_fp4_operands(numerics, act_block))
+                               fp4_operands=_fp4_operands(numerics, act_block), pdl=numerics.kernel_pdl)
     if "weight_tm" in p_lin:      # the held layout fixes the tile's width and the K run a step may read
         bn, bk = tile_major_tile(p_lin["weight_tm"])
         base = dataclasses.replace(base, block_n=bn, block_k=bk, weights_tile_major=True)
@@ -386,10 +386,22 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
     m, k = w_mk.shape
     num_groups = _weight_shape(p_exp["w1"])[0]
 
-    def run(x_pk, name):
+    def run(x_pk, name, more=()):
         w, s, prepared = _kernel_weights(p_exp[name])
+        more_ws = tuple(_kernel_weights(p_exp[other])[:2] for other in more)
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
-                                    scales_prepared=prepared)
+                                    scales_prepared=prepared, more=more_ws)
+
+    def gate_and_up(x_pk):
+        """(w1's, w3's results) [T*block_m, inter]: one launch where both weights are held alike."""
+        w1, w3 = _kernel_weights(p_exp["w1"]), _kernel_weights(p_exp["w3"])
+        alike = (cfgs["w1"] == cfgs["w3"] and w1[2] == w3[2] and w1[0].shape == w3[0].shape
+                 and w1[0].dtype == w3[0].dtype and (w1[1] is None) == (w3[1] is None))
+        if not (numerics.expert_w13_launch and alike):
+            return run(x_pk, "w1"), run(x_pk, "w3")
+        inter = _weight_shape(p_exp["w1"])[1]
+        y13 = run(x_pk, "w1", more=("w3",))
+        return y13[:, :inter], y13[:, inter:]
 
     # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)
     e4m3 = {name: uses_e4m3_rows(cfgs[name], fmts[name]) for name in cfgs}
@@ -403,7 +415,7 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
 
     plan, x_pk = tile_rows(quantized_rows(x_md, e4m3["w1"]), gid, num_groups=num_groups,
                            block_m=cfgs["w1"].block_m, fp4=fp4["w1"], e4m3=e4m3["w1"], rows_per_source=k)
-    g_pn, u_pn = _interpreted(lambda: (run(x_pk, "w1"), run(x_pk, "w3")), interpret)   # [T*block_m, inter]
+    g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)   # [T*block_m, inter] each
     if g_pn.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
         # Mostly padding (decode: 6,144 padded rows for 384 routed; a 2048-token chunk: 3x): the swiglu
         # and quantizer run on the routed rows only, which are then placed in tile order for w2. Per

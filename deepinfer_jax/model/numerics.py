@@ -93,6 +93,20 @@ class Numerics:
     # (3e-5 of the largest output apart): a token's bits depend on which program computed it, which the
     # request alone decides (its prompt is prefilled, each new token decoded), never the batch.
     expert_operands: str = "e4m3-decode"
+    # The routed experts' w1 and w3 as one grouped GEMM launch on the Pallas kernel (``grouped_matmul_tiles``'s
+    # ``more``: column blocks of either weight in one grid) instead of two launches on the same rows. Each
+    # output is the one its own launch gives, bit for bit, so only time changes: one launch a layer fewer
+    # and one ramp and tail instead of two (decode), twice the column blocks to spread over the SMs. False:
+    # the two launches (the A/B, ``e2e_gpu.py --w13-launch off``).
+    expert_w13_launch: bool = True
+    # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
+    # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
+    # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel
+    # before it drains. 8 of a decode layer's ~90 launches are these kernels.
+    # XLA's own kernels already launch so (``xla_gpu_enable_pdl`` is on by default in jax 0.11.2's XLA,
+    # checked in a deviceless compile's debug options); Mosaic GPU kernels do only when they wait on
+    # ``griddepcontrol.wait``. Same bits. Off until timed (``e2e_gpu.py --sections pdl``).
+    kernel_pdl: bool = False
     # Whether the dense FP8 linears (attention's projections, the indexer's query, the shared expert:
     # the 2-D FP8 weights outside the routed experts) run on the grouped GEMM kernel with a static
     # K split (``pallas_kernels.grouped_gemm.dense``), reading the stored FP8 bytes instead of XLA's

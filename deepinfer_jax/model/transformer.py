@@ -30,7 +30,7 @@ def _mix(p: dict, site: str, x_bthd: jax.Array, cfg: ModelConfig, numerics: Nume
                          unroll=numerics.unroll_sinkhorn(), segment_rows=numerics.sinkhorn_segment_rows,
                          bf16_dot=numerics.bf16_stream_dot(), sinkhorn_impl=impl if route == "op" else None,
                          rows_local=getattr(parallel, "batch_local", None) if route == "op" else None,
-                         fn_parts=p.get(f"hc_{site}_fn{mhc.SPLIT_SUFFIX}"))
+                         fn_parts=p.get(f"hc_{site}_fn{mhc.SPLIT_SUFFIX}"), pdl=numerics.kernel_pdl)
 
 
 def block(p: dict, cfg: ModelConfig, layer_id: int, x_bthd: jax.Array, carried_pre: jax.Array, pos_bt: jax.Array,

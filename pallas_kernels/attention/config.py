@@ -70,6 +70,10 @@ class SparseAttentionConfig:
     #: ``benchmarks/attention_profile_gpu.py`` runs it and summarizes the trace.
     profile_dir: str = ""
     profile_ranges: int = 0
+    #: Programmatic dependent launch (GPU only; the same numerics): every thread waits on
+    #: ``griddepcontrol.wait`` before reading anything, so the driver may launch the kernel while the one
+    #: before it drains (``GroupedMatmulConfig.pdl``; ``Numerics.kernel_pdl``).
+    pdl: bool = False
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:

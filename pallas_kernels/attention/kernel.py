@@ -65,7 +65,8 @@ _WARPS = 4        # per warpgroup
 def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, split_rows: int,
            scale: float, n_producers: int, win_blocks: int | None = None, groups: int = 1,
            no_auto_barriers: bool = False, row_issue: str = "warpgroup", pv_cols: int = 128,
-           pv_in_place: bool = False, fp4_dequant: str = "bits", profile_dir: str = "", profile_ranges: int = 0):
+           pv_in_place: bool = False, fp4_dequant: str = "bits", profile_dir: str = "", profile_ranges: int = 0,
+           pdl: bool = False):
     """The pallas kernel for q [n, 64, D], kv [B, S, D], idx [n, splits, blocks, 64], sink [groups, 64];
     with ``win_blocks`` (FP4 mode) also values [B, N, D/2] uint8 and the per-query gathered scales
     [n / groups, blocks, D/16, 64] E4M3 (zeros for the window blocks), the first ``win_blocks`` blocks being
@@ -119,6 +120,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
         return jnp.concatenate([p.astype(jnp.bfloat16) for p in pieces], axis=1)
 
     def body(q_ref, kv_ref, idx_ref, sink_ref, *rest):
+        mosaic.wait_for_prior_grids(pdl)    # before the first read of any input
         if fp4:
             cv_ref, cs_ref, *rest = rest
         out_refs, scratch = rest[:-1], rest[-1]
@@ -482,7 +484,7 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
                   config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers, row_issue=config.row_issue,
                   pv_cols=config.pv_cols, pv_in_place=config.pv_in_place, profile_dir=config.profile_dir,
-                  profile_ranges=config.profile_ranges)
+                  profile_ranges=config.profile_ranges, pdl=config.pdl)
     return _outputs(call(q, kv_bsd, idx, sink), sink, q_bthd.shape)
 
 
@@ -539,6 +541,6 @@ def sparse_sink_attention_fp4_pallas(q_bthd: jax.Array, win_kv_bsd: jax.Array, w
                   win_blocks=kw // BLOCK_ROWS, groups=groups, no_auto_barriers=config.no_auto_barriers,
                   row_issue=config.row_issue, pv_cols=config.pv_cols, pv_in_place=config.pv_in_place,
                   fp4_dequant=config.fp4_dequant, profile_dir=config.profile_dir,
-                  profile_ranges=config.profile_ranges)
+                  profile_ranges=config.profile_ranges, pdl=config.pdl)
     outs = call(q, to_fp4_k_order(win_kv_bsd, _FP4_GROUP), idx, sink, comp_values_bnc, cs)
     return from_fp4_k_order(_outputs(outs, sink, q_bthd.shape), _FP4_GROUP)

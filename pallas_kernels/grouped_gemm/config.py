@@ -97,6 +97,11 @@ class GroupedMatmulConfig:
         on the FP4 decode kernel (H100, 2026-12-05) had DRAM at 62 % of peak and L2 at 72 % with the
         issue slots half idle, 2 or 4 consumers alike; FP8 (128-byte row pieces) and bf16 (256) reached
         81-82 % of copy. Same values, so the same bits. The op's caller holds the re-laid weights.
+    pdl: launch with programmatic dependent launch (Hopper): every thread first waits on
+        ``griddepcontrol.wait`` (the grids this one depends on have finished and their writes are
+        visible), so the driver may start the launch, its CTAs' scheduling and set-up, while the kernel
+        before it drains, instead of after. Nothing is read or written before the wait, so the same bits;
+        only the gap between kernels can change. Ignored in the interpreter.
     """
 
     block_m: int = 64
@@ -118,6 +123,7 @@ class GroupedMatmulConfig:
     fp4_operands: str = "bf16"
     fp8_operands: str = "bf16"
     e4m3_overlap: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_m % 8 or not 8 <= self.block_m <= 256:

@@ -115,12 +115,13 @@ def static_plan(groups: int, rows_per_group: int, block_m: int) -> TilePlan:
 
 
 def dense_config(m: int, fp8_operands: str, *, block_n: int = DENSE_BLOCK_N, block_k: int = DENSE_BLOCK_K,
-                 a_from_registers: bool = True) -> GroupedMatmulConfig:
+                 a_from_registers: bool = True, pdl: bool = False) -> GroupedMatmulConfig:
     """The kernel config of the dense form at M rows: 64-row tiles above 32 rows, else the next
-    multiple of 8 from 16 (fewer padded rows at small decode batches); float32 outputs."""
+    multiple of 8 from 16 (fewer padded rows at small decode batches); float32 outputs. pdl:
+    ``GroupedMatmulConfig.pdl``."""
     block_m = 64 if m > 32 else max(16, -(-m // 8) * 8)
     cfg = GroupedMatmulConfig(block_m=block_m, block_n=block_n, block_k=block_k, stages=4, persistent=False,
-                              a_from_registers=a_from_registers, fp8_operands=fp8_operands)
+                              a_from_registers=a_from_registers, fp8_operands=fp8_operands, pdl=pdl)
     return fit_stages(cfg, WeightFormat.FP8, jnp.float32)
 
 

@@ -58,7 +58,7 @@ from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, make_til
                                               scatter_back, take_rows)
 from pallas_kernels.grouped_gemm.reference import SCALE_BLOCK
 from pallas_kernels.grouped_gemm.scales import check_prepared, kernel_scales
-from pallas_kernels.mosaic import consumer_registers, run_warpgroups, tiled
+from pallas_kernels.mosaic import consumer_registers, interpreting, run_warpgroups, tiled, wait_for_prior_grids
 
 _HALF = SCALE_BLOCK // 2
 _PTX_MODES = ("packed", "subnormal")     # FP4 decoders written in inline PTX (GPU only)
@@ -113,16 +113,15 @@ def _fp4_nibble_to_f32(nib):
     return mag * sign
 
 
-def _interpreting() -> bool:
-    """Whether the kernel being traced will run in the Mosaic GPU interpreter (``gpu_interpreter()``)."""
-    from jax._src import config as jax_config
-
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+_interpreting = interpreting    # (the name the attention kernel imports)
 
 
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype,
-           w_tile_bytes: int | None = None):
-    """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row."""
+           w_tile_bytes: int | None = None, n_weights: int = 1):
+    """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row.
+    n_weights: weight arrays of N rows each (same format and shape), run as one launch on the same x
+    rows: y's columns are the first one's N, then the next one's. Column block nt reads weight
+    nt // (N / block_n); the work of each block is what a launch on that weight alone does."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_cons = cfg.consumers
     wg_rows = bn // n_cons
@@ -191,7 +190,8 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 vals = jnp.concatenate([_fp4_nibble_to_f32(q & 15), _fp4_nibble_to_f32(q >> 4)], axis=1)
         return (vals * scale).astype(jnp.bfloat16)
 
-    n_blocks = n // bn
+    w_blocks = n // bn              # column blocks of one weight array
+    n_blocks = n_weights * w_blocks
     if cfg.persistent:
         n_items = n_blocks * num_tiles
         n_ctas = min(_num_ctas(), n_items)
@@ -199,11 +199,12 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     else:
         items_per_cta = 1
 
-    def body(tile_group_ref, x_ref, w_ref, *rest):
-        n_s = 2 if e4m3 else 1 if quant else 0      # weight scales, and x's scales [K/32, P] for E4M3 rows
-        s_ref = rest[0] if n_s else None
-        xs_ref = rest[1] if n_s == 2 else None
-        y_ref, scratch = rest[n_s], rest[n_s + 1:]
+    def body(tile_group_ref, x_ref, *rest):
+        wait_for_prior_grids(cfg.pdl)       # before the first read of any input (the tile plan included)
+        w_refs, rest = rest[:n_weights], rest[n_weights:]
+        s_refs, rest = (rest[:n_weights], rest[n_weights:]) if quant else ((None,) * n_weights, rest)
+        xs_ref, rest = (rest[0], rest[1:]) if e4m3 else (None, rest)    # x's scales [K/32, P] for E4M3 rows
+        y_ref, scratch = rest[0], rest[1:]
         (x_smem, w_smem, s_smem, xs_smem, a_smem, o_smem), (full, empty) = scratch
 
         def item(k):
@@ -231,8 +232,23 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         def producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
+            def load_weights(w_ref, s_ref, nt, grp, i, slot):
+                """Step i's weight tile (and scales) of column block nt of one weight array."""
+                n_rows = pl.ds(nt * bn, bn)
+                if not cfg.weights_tile_major:
+                    w_tile = w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)]
+                elif steps_per_tile == 1:
+                    w_tile = w_ref.at[grp, nt, i]
+                else:      # this step's columns of the layout's wider tile
+                    w_tile = w_ref.at[grp, nt, lax.div(i, steps_per_tile), :,
+                                      pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
+                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], full.at[slot])
+                if quant:
+                    plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), n_rows],
+                                            s_smem.at[slot], full.at[slot])
+
             def load(k, nt, t, grp):
-                n_rows, m_rows = pl.ds(nt * bn, bn), pl.ds(t * bm, bm)
+                m_rows = pl.ds(t * bm, bm)
 
                 @pl.loop(0, n_steps)
                 def _(i):
@@ -243,17 +259,13 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
                     plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
-                    if not cfg.weights_tile_major:
-                        w_tile = w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)]
-                    elif steps_per_tile == 1:
-                        w_tile = w_ref.at[grp, nt, i]
-                    else:      # this step's columns of the layout's wider tile
-                        w_tile = w_ref.at[grp, nt, lax.div(i, steps_per_tile), :,
-                                          pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
-                    plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], full.at[slot])
-                    if quant:
-                        plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), n_rows],
-                                                s_smem.at[slot], full.at[slot])
+                    if n_weights == 1:
+                        load_weights(w_refs[0], s_refs[0], nt, grp, i, slot)
+                    for wi in range(n_weights if n_weights > 1 else 0):
+                        # (each branch issues the same copies, so the slot's barrier counts the same bytes)
+                        @pl.when(lax.div(nt, w_blocks) == wi)
+                        def _(wi=wi):
+                            load_weights(w_refs[wi], s_refs[wi], nt - wi * w_blocks, grp, i, slot)
                     if e4m3:
                         plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(i * n_blocks_k, n_blocks_k), m_rows],
                                                 xs_smem.at[slot], full.at[slot])
@@ -429,12 +441,12 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     )
 
     def entry(*refs):
-        n_in = 5 if e4m3 else 4 if quant else 3
+        n_in = 2 + n_weights * (2 if quant else 1) + (1 if e4m3 else 0)
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
 
     grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
-    out_shape = (num_tiles * bm, n) if out_rows else (n, num_tiles * bm)
+    out_shape = (num_tiles * bm, n_weights * n) if out_rows else (n_weights * n, num_tiles * bm)
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=grid, grid_names=grid_names, num_threads=n_cons + 1, thread_name="wg")
 
@@ -498,7 +510,8 @@ def grouped_matmul_pallas(x_mk: jax.Array, w: jax.Array, group_ids_m: jax.Array,
     num_tiles = max_tiles(m, g, config.block_m) if traced else bucketed_tiles(m, g, config.block_m)
     plan, x_pk = _plan_and_gather(x_mk, group_ids_m, num_groups=g, block_m=config.block_m, num_tiles=num_tiles,
                                   fp4=fmt is WeightFormat.FP4, e4m3=uses_e4m3_rows(config, fmt))
-    y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    y = _run_kernel(plan.tile_group, x_pk, (w,), None if s_kernel is None else (s_kernel,), fmt=fmt,
+                    config=config, out_dtype=out_dtype)
     if writes_rows(config, out_dtype):
         return _scatter_back(y, plan, out_dtype=out_dtype)
     return _unpermute(y, plan, out_dtype=out_dtype)
@@ -576,12 +589,18 @@ def gather_kernel_rows(x_mk: jax.Array | E4m3Rows, plan: TilePlan, src: jax.Arra
 
 def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Array, w_scale: jax.Array | None = None,
                          *, out_dtype=jnp.float32, config: GroupedMatmulConfig = GroupedMatmulConfig(),
-                         scales_prepared: bool = False) -> jax.Array:
+                         scales_prepared: bool = False,
+                         more: tuple[tuple[jax.Array, jax.Array | None], ...] = ()) -> jax.Array:
     """The kernel on ``tile_rows`` / ``retile`` rows -> y [T*block_m, N] in tile order (padding rows
     hold zeros' results, unused tiles are not written); ``untile_rows`` brings it back to row order.
     config.block_m must be the plan's; x_pk is ``E4m3Rows`` exactly when the config ``uses_e4m3_rows``.
     With ``config.out_rows=False`` the kernel's y^T is transposed here (for timing that kernel form
-    only: the model runs the default), as for bf16 outputs."""
+    only: the model runs the default), as for bf16 outputs.
+
+    more: further (w, w_scale) pairs of w's format, shape and scale layout, run in the same launch on
+    the same rows -> y [T*block_m, N * (1 + len(more))], w's columns first. Each column's result is
+    the one a launch on its own weight gives, bit for bit (the same tiles and K order); an expert
+    FFN's w1 and w3 take one launch instead of two."""
     # (E4m3Rows have the shape of their values)
     if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
         raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
@@ -594,7 +613,16 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
         raise ValueError(f"x_pk is {'E4m3Rows' if isinstance(x_pk, E4m3Rows) else 'bf16 rows'} but the config "
                          f"(fp4_operands={config.fp4_operands!r}, {fmt.value} weights) takes the other form: "
                          "build the rows with tile_rows / retile(..., e4m3=uses_e4m3_rows(config, fmt))")
-    y = _run_kernel(plan.tile_group, x_pk, w, s_kernel, fmt=fmt, config=config, out_dtype=out_dtype)
+    ws, ss = [w], [s_kernel]
+    for w_more, s_more in more:
+        if w_more.shape != w.shape or w_more.dtype != w.dtype:
+            raise ValueError(f"grouped_matmul_tiles: every weight of one launch needs w's shape and dtype "
+                             f"{w.shape} {w.dtype}, got {w_more.shape} {w_more.dtype}")
+        ws.append(w_more)
+        ss.append(_kernel_operands(x_struct, w_more, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), s_more,
+                                   scales_prepared, config, out_dtype, "grouped_matmul_tiles")[3])
+    y = _run_kernel(plan.tile_group, x_pk, tuple(ws), None if s_kernel is None else tuple(ss), fmt=fmt,
+                    config=config, out_dtype=out_dtype)
     return y if writes_rows(config, out_dtype) else y.T
 
 
@@ -640,14 +668,15 @@ def _unpermute(y_np, plan, *, out_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))
-def _run_kernel(tile_group, x_pk, w, s_kernel, *, fmt, config, out_dtype):
-    """The kernel alone: tile_group [T], x_pk [T*block_m, K] (or ``E4m3Rows``) -> y [T*block_m, N]
-    (y^T [N, T*block_m] unless ``writes_rows(config, out_dtype)``)."""
-    n = row_major_shape(w, config)[1]
+def _run_kernel(tile_group, x_pk, ws, s_kernels, *, fmt, config, out_dtype):
+    """The kernel alone: tile_group [T], x_pk [T*block_m, K] (or ``E4m3Rows``), ws a tuple of weight
+    arrays of one shape (s_kernels their kernel-layout scales, or None for bf16) -> y [T*block_m,
+    len(ws) * N] (y^T unless ``writes_rows(config, out_dtype)``)."""
+    n = row_major_shape(ws[0], config)[1]
     x_scale = ()
     if isinstance(x_pk, E4m3Rows):
         x_pk, x_scale = x_pk.values, (x_pk.scale.T,)      # scales [K/32, P]: a K step's are one TMA box
     call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype,
-                  w.shape[4] if config.weights_tile_major else None)
-    args = (tile_group, x_pk, w) + (() if s_kernel is None else (s_kernel,)) + x_scale
+                  ws[0].shape[4] if config.weights_tile_major else None, n_weights=len(ws))
+    args = (tile_group, x_pk, *ws) + (() if s_kernels is None else tuple(s_kernels)) + x_scale
     return call(*args)

@@ -13,10 +13,12 @@ MAX_STREAMS = 8
 @dataclasses.dataclass(frozen=True)
 class SinkhornConfig:
     """block_rows: matrices per CTA (a multiple of 128: one thread each, or several in turn).
+    pdl: programmatic dependent launch (``pallas_kernels.mosaic.wait_for_prior_grids``).
 
-    A matrix's arithmetic does not depend on the block: any config gives the same bits."""
+    A matrix's arithmetic does not depend on the block or on pdl: any config gives the same bits."""
 
     block_rows: int = WARPGROUP_THREADS
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_rows <= 0 or self.block_rows % WARPGROUP_THREADS:

@@ -22,6 +22,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic import wait_for_prior_grids
 from pallas_kernels.sinkhorn.config import WARPGROUP_THREADS, SinkhornConfig
 
 
@@ -49,10 +50,11 @@ def _one_round(flat: tuple, hc: int, eps: float) -> tuple:
     return tuple(v for row in c for v in row)
 
 
-def _build(hc: int, n_pad: int, rounds: int, eps: float, block: int):
+def _build(hc: int, n_pad: int, rounds: int, eps: float, block: int, pdl: bool = False):
     entries = hc * hc
 
     def body(x_ref, o_ref, x_smem, o_smem, loaded):
+        wait_for_prior_grids(pdl)
         n0 = lax.axis_index("n") * block
         plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(n0, block)], x_smem, loaded.at[0])
         plgpu.barrier_wait(loaded.at[0])
@@ -91,5 +93,5 @@ def sinkhorn_rounds_pallas(comb_bthk: jax.Array, *, rounds: int, eps: float,
     block = config.block_rows
     n_pad = -(-n // block) * block
     comb_kn = jnp.pad(comb_bthk.astype(jnp.float32).reshape(n, hc * hc).T, ((0, 0), (0, n_pad - n)))
-    out_kn = _build(hc, n_pad, rounds, float(eps), block)(comb_kn)
+    out_kn = _build(hc, n_pad, rounds, float(eps), block, config.pdl)(comb_kn)
     return out_kn[:, :n].T.reshape(comb_bthk.shape)
