@@ -104,9 +104,12 @@ def test_matmul_macs_refuse_the_dense_kernels_load_time_form():
     """e2e_gpu.py's prefill TFLOP/s once came from params after ``prepare_dense_fp8``, whose renamed
     linears went uncounted (a 12-layer slice: 4.34e9 MACs a token instead of 5.53e9, H200 2026-12-06);
     the count now takes the stored layout and refuses the other."""
+    import sys
+
     import jax
     import jax.numpy as jnp
 
+    sys.path.insert(0, str(SCRIPTS[0].parent))    # benchmarks/ (the other tests' imports may not have run)
     from slice_model import matmul_macs_per_token
 
     class Cfg:

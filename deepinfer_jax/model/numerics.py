@@ -96,8 +96,9 @@ class Numerics:
     # The routed experts' w1 and w3 as one grouped GEMM launch on the Pallas kernel (``grouped_matmul_tiles``'s
     # ``more``: column blocks of either weight in one grid) instead of two launches on the same rows. Each
     # output is the one its own launch gives, bit for bit, so only time changes: one launch a layer fewer
-    # and one ramp and tail instead of two (decode), twice the column blocks to spread over the SMs. False:
-    # the two launches (the A/B, ``e2e_gpu.py --w13-launch off``).
+    # and one ramp and tail instead of two (decode), twice the column blocks to spread over the SMs. On the
+    # 4-layer H100 B=64 step (2026-12-07): 8.68 / 8.65 ms against 8.74 / 8.71 with two launches, the same
+    # tokens. False: the two launches (the A/B, ``e2e_gpu.py --sections w13two`` or ``--w13-launch off``).
     expert_w13_launch: bool = True
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
@@ -105,7 +106,8 @@ class Numerics:
     # before it drains. 8 of a decode layer's ~90 launches are these kernels.
     # XLA's own kernels already launch so (``xla_gpu_enable_pdl`` is on by default in jax 0.11.2's XLA,
     # checked in a deviceless compile's debug options); Mosaic GPU kernels do only when they wait on
-    # ``griddepcontrol.wait``. Same bits. Off until timed (``e2e_gpu.py --sections pdl``).
+    # ``griddepcontrol.wait``. Same bits. Off: on the 4-layer H100 B=64 step (2026-12-07) 8.64 / 8.79 ms
+    # against 8.68 / 8.65 without, no gain beyond the noise (``e2e_gpu.py --sections pdl``).
     kernel_pdl: bool = False
     # Whether the dense FP8 linears (attention's projections, the indexer's query, the shared expert:
     # the 2-D FP8 weights outside the routed experts) run on the grouped GEMM kernel with a static
