@@ -16,6 +16,10 @@ on what they move (a fusion that reads an operand twice counts it once) and a gu
 goes before a trace; for GEMMs and the Mosaic kernels it says nothing about time. Launches inside a
 conditional's branches (the indexer's live-width top-k and its fallback, nested) are counted in every
 branch, marked ``[cond]``: one branch runs a call, so their sum over-counts.
+
+``--list`` prints the entry computation's launches in program order instead, each with its whole site
+(the op_name, the layer folded out) and the shapes of its result and first operands: what a step does,
+launch by launch (``--layer`` picks one layer's).
 """
 
 from __future__ import annotations
@@ -95,6 +99,21 @@ def launch_bytes(hlo_text: str) -> list[tuple[str, str, int, bool]]:
     return out
 
 
+def launch_listing(hlo_text: str) -> list[tuple[str, str, str, list[str]]]:
+    """(kind, op_name, result shape, operand shapes) for each launch of the entry computation, in order."""
+    comps = computations(hlo_text)
+    shapes = {d.group(1): d.group(2) for lines in comps.values() for line in lines
+              if (d := _DEF.match(line)) is not None}
+    out = []
+    for line in comps.get("ENTRY", []):
+        if (launch := launch_of(line)) is None or (d := _DEF.match(line)) is None:
+            continue
+        args = line[d.end():].split(")", 1)[0]
+        operands = list(dict.fromkeys(re.findall(r"%([\w.\-]+)", args)))
+        out.append((*launch, d.group(2), [shapes.get(o, "?") for o in operands]))
+    return out
+
+
 def entry_launches(hlo_text: str) -> list[tuple[str, str]]:
     """(kind, op_name) for each launching instruction of the ENTRY computation."""
     start = hlo_text.index("\nENTRY")
@@ -125,7 +144,17 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=3, help="op_name components to group by")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--bytes", action="store_true", help="rank sites by the bytes their launches name")
+    ap.add_argument("--list", action="store_true", help="the launches in program order, with their shapes")
     args = ap.parse_args(argv)
+
+    if args.list:
+        rows = launch_listing(args.hlo.read_text())
+        if args.layer is not None:
+            rows = [r for r in rows if f"/layer{args.layer}/" in f"/{r[1]}"]
+        for i, (kind, name, result, operands) in enumerate(rows):
+            where = site(name, 99)
+            print(f"{i:4d} {kind[:24]:24s} {where[:80]:80s} -> {result[:48]}  <- {', '.join(o[:32] for o in operands[:4])}")
+        return 0
 
     if args.bytes:
         rows = launch_bytes(args.hlo.read_text())

@@ -165,3 +165,5 @@ ENTRY %main (x: f32[4,8], i: s32[]) -> u32[4] {
     assert ("fusion", "jit(f)/layer2/idx/cond/branch_1_fun/cond/reduce", 16 + 128, True) in rows
     assert ("fusion", "jit(f)/layer2/idx/cond/branch_1_fun/gt", 1 + 128, True) in rows
     assert not any("fused_add" in name for _, name, _, _ in rows) and len(rows) == 3
+    # --list: the entry's launches in order with their result and operand shapes (branches not entered)
+    assert hlo_sites.launch_listing(hlo) == [("fusion", "jit(f)/layer2/mlp/convert", "bf16[4,8]{1,0}", ["f32[4,8]{1,0}"])]
