@@ -75,11 +75,7 @@ def launch_bytes(hlo_text: str) -> list[tuple[str, str, int, bool]]:
     of its conditionals; bytes: the result plus the distinct operands (instruction names resolve
     module-wide)."""
     comps = computations(hlo_text)
-    sizes = {}
-    for lines in comps.values():
-        for line in lines:
-            if (d := _DEF.match(line)) is not None:
-                sizes[d.group(1)] = shape_bytes(d.group(2))
+    sizes = {name: shape_bytes(shape) for name, shape in _result_shapes(comps).items()}
     branches, todo = [], ["ENTRY"]
     while todo:   # conditionals nest (a fallback inside a live-width branch)
         found = [b.strip().lstrip("%") for line in comps.get(todo.pop(), []) for m in _BRANCHES.finditer(line)
@@ -92,9 +88,7 @@ def launch_bytes(hlo_text: str) -> list[tuple[str, str, int, bool]]:
         for line in comps.get(comp, []):
             if (launch := launch_of(line)) is None or (d := _DEF.match(line)) is None:
                 continue
-            args = line[d.end():].split(")", 1)[0]
-            operands = set(re.findall(r"%([\w.\-]+)", args))
-            moved = shape_bytes(d.group(2)) + sum(sizes.get(o, 0) for o in operands)
+            moved = shape_bytes(d.group(2)) + sum(sizes.get(o, 0) for o in _operands(line, d))
             out.append((*launch, moved, comp != "ENTRY"))
     return out
 
@@ -102,16 +96,24 @@ def launch_bytes(hlo_text: str) -> list[tuple[str, str, int, bool]]:
 def launch_listing(hlo_text: str) -> list[tuple[str, str, str, list[str]]]:
     """(kind, op_name, result shape, operand shapes) for each launch of the entry computation, in order."""
     comps = computations(hlo_text)
-    shapes = {d.group(1): d.group(2) for lines in comps.values() for line in lines
-              if (d := _DEF.match(line)) is not None}
+    shapes = _result_shapes(comps)
     out = []
     for line in comps.get("ENTRY", []):
         if (launch := launch_of(line)) is None or (d := _DEF.match(line)) is None:
             continue
-        args = line[d.end():].split(")", 1)[0]
-        operands = list(dict.fromkeys(re.findall(r"%([\w.\-]+)", args)))
-        out.append((*launch, d.group(2), [shapes.get(o, "?") for o in operands]))
+        out.append((*launch, d.group(2), [shapes.get(o, "?") for o in _operands(line, d)]))
     return out
+
+
+def _result_shapes(comps: dict[str, list[str]]) -> dict[str, str]:
+    """Every instruction's result shape text, by name (names resolve module-wide)."""
+    return {d.group(1): d.group(2) for lines in comps.values() for line in lines
+            if (d := _DEF.match(line)) is not None}
+
+
+def _operands(line: str, d: re.Match) -> list[str]:
+    """The distinct operand names of an instruction line (``d``: its ``_DEF`` match), in order."""
+    return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", line[d.end():].split(")", 1)[0])))
 
 
 def entry_launches(hlo_text: str) -> list[tuple[str, str]]:

@@ -17,6 +17,7 @@ from pallas_kernels.topk import topk_indices, topk_indices_reference, topk_indic
 METHODS = ("auto", "select", "sort", "top_k")
 
 
+@functools.cache
 def _backend_flushes_subnormals() -> bool:
     """Whether jitted float32 compares on the default backend see a subnormal as zero: XLA:CPU flushes
     them, XLA:GPU keeps them (``xla_gpu_ftz`` is off), so 1e-40 ranks above 0 there (the GPU run of

@@ -386,21 +386,22 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
     m, k = w_mk.shape
     num_groups = _weight_shape(p_exp["w1"])[0]
 
-    def run(x_pk, name, more=()):
+    def run(x_pk, name):
         w, s, prepared = _kernel_weights(p_exp[name])
-        more_ws = tuple(_kernel_weights(p_exp[other])[:2] for other in more)
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
-                                    scales_prepared=prepared, more=more_ws)
+                                    scales_prepared=prepared)
 
     def gate_and_up(x_pk):
         """(w1's, w3's results) [T*block_m, inter]: one launch where both weights are held alike."""
-        w1, w3 = _kernel_weights(p_exp["w1"]), _kernel_weights(p_exp["w3"])
-        alike = (cfgs["w1"] == cfgs["w3"] and w1[2] == w3[2] and w1[0].shape == w3[0].shape
-                 and w1[0].dtype == w3[0].dtype and (w1[1] is None) == (w3[1] is None))
+        w1, s1, prepared1 = _kernel_weights(p_exp["w1"])
+        w3, s3, prepared3 = _kernel_weights(p_exp["w3"])
+        alike = (cfgs["w1"] == cfgs["w3"] and prepared1 == prepared3 and w1.shape == w3.shape
+                 and w1.dtype == w3.dtype and (s1 is None) == (s3 is None))
         if not (numerics.expert_w13_launch and alike):
             return run(x_pk, "w1"), run(x_pk, "w3")
         inter = _weight_shape(p_exp["w1"])[1]
-        y13 = run(x_pk, "w1", more=("w3",))
+        y13 = grouped_matmul_tiles(plan, x_pk, w1, s1, out_dtype=jnp.float32, config=cfgs["w1"],
+                                   scales_prepared=prepared1, more=((w3, s3),))
         return y13[:, :inter], y13[:, inter:]
 
     # (w1 and w3: the same format, shape and numerics, so the same row form; the caller checked the format)

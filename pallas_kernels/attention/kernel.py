@@ -46,8 +46,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttentionConfig, kernel_unsupported_reason
 # the grouped GEMM's E2M1 decoders: "arith" (float polynomial) and "bits" (float16 bit placement)
-from pallas_kernels.grouped_gemm.kernel import (_f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32,
-                                                _interpreting)
+from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
 from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation, from_fp4_k_order, to_fp4_k_order
 from pallas_kernels.attention import cp_async
@@ -92,7 +91,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
     score_scale = scale * _LOG2E     # exponentials are base 2; m and the log-sum-exp are in log2 units
 
     # (the Mosaic GPU interpreter runs no inline PTX: there "packed" decodes with "bits", the same values)
-    dequant_mode = "bits" if fp4_dequant == "packed" and _interpreting() else fp4_dequant
+    dequant_mode = "bits" if fp4_dequant == "packed" and mosaic.interpreting() else fp4_dequant
     n_groups = d // _FP4_GROUP           # scale groups per row
     group_bytes = _FP4_GROUP // 2
 

@@ -113,9 +113,6 @@ def _fp4_nibble_to_f32(nib):
     return mag * sign
 
 
-_interpreting = interpreting    # (the name the attention kernel imports)
-
-
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype,
            w_tile_bytes: int | None = None, n_weights: int = 1):
     """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row.
@@ -150,7 +147,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     fp4_mode = cfg.fp4_dequant if fmt is WeightFormat.FP4 else None
-    if fp4_mode in _PTX_MODES and _interpreting():
+    if fp4_mode in _PTX_MODES and interpreting():
         fp4_mode = "bits"    # the interpreter cannot run inline PTX; "bits" gives the same values
     fp4_bits = fp4_mode == "bits"
 
@@ -301,7 +298,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     if fmt is WeightFormat.FP8:
                         a, w_s = q, _e8m0_row_to_f32(s_u8)
                     else:
-                        a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if _interpreting() else
+                        a = (fp8_operands.fp4_bytes_to_e4m3_jnp(q) if interpreting() else
                              fp8_operands.fp4_bytes_to_e4m3(q))
                         w_s = _e8m0_row_to_f32_times_2_6(s_u8)
                     if not cfg.a_from_registers:
@@ -454,7 +451,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 def _num_ctas() -> int:
     """CTAs of a persistent launch: one per SM of the GPU; 2 in the interpreter, so each CTA walks
     several items there too."""
-    if _interpreting():
+    if interpreting():
         return 2
     try:
         return int(jax.local_devices(backend="gpu")[0].core_count)
@@ -607,8 +604,9 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
                          f"{plan.tile_group.shape[0]} tiles; config.block_m={config.block_m} does not match")
     # (the group ids are the plan's: only their shape and dtype are checked)
     x_struct = jax.ShapeDtypeStruct(x_pk.shape, jnp.bfloat16)
-    fmt, _, _, s_kernel = _kernel_operands(x_struct, w, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), w_scale,
-                                           scales_prepared, config, out_dtype, "grouped_matmul_tiles")
+    gid_struct = jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32)
+    fmt, _, _, s_kernel = _kernel_operands(x_struct, w, gid_struct, w_scale, scales_prepared, config, out_dtype,
+                                           "grouped_matmul_tiles")
     if isinstance(x_pk, E4m3Rows) != uses_e4m3_rows(config, fmt):
         raise ValueError(f"x_pk is {'E4m3Rows' if isinstance(x_pk, E4m3Rows) else 'bf16 rows'} but the config "
                          f"(fp4_operands={config.fp4_operands!r}, {fmt.value} weights) takes the other form: "
@@ -619,8 +617,8 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
             raise ValueError(f"grouped_matmul_tiles: every weight of one launch needs w's shape and dtype "
                              f"{w.shape} {w.dtype}, got {w_more.shape} {w_more.dtype}")
         ws.append(w_more)
-        ss.append(_kernel_operands(x_struct, w_more, jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32), s_more,
-                                   scales_prepared, config, out_dtype, "grouped_matmul_tiles")[3])
+        ss.append(_kernel_operands(x_struct, w_more, gid_struct, s_more, scales_prepared, config, out_dtype,
+                                   "grouped_matmul_tiles")[3])
     y = _run_kernel(plan.tile_group, x_pk, tuple(ws), None if s_kernel is None else tuple(ss), fmt=fmt,
                     config=config, out_dtype=out_dtype)
     return y if writes_rows(config, out_dtype) else y.T
