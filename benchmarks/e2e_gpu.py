@@ -51,6 +51,9 @@ Sections:
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
   compiled programs are cleared before and after, so each form compiles its own).
+* pswiglu: the prefill of the last --prompts length at the first --chunk, replay off, with the routed
+  experts' SwiGLU in XLA after the w1/w3 launch (``Numerics.expert_swiglu_epilogue=False``) instead of in
+  that launch's epilogue: the A/B against the prefill section's replay-off row, in the same process.
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -888,7 +891,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
-SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "nographs",
+SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pswiglu", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -1022,6 +1025,7 @@ def main(argv=None):
     params_dense_xla = None
     RESULTS["expert_operands"] = numerics.expert_operands
     RESULTS["expert_w13_launch"] = numerics.expert_w13_launch
+    RESULTS["expert_swiglu_epilogue"] = numerics.expert_swiglu_epilogue
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
         with_y_transposed()
@@ -1124,6 +1128,9 @@ def main(argv=None):
         finally:
             topk_select.prefilter_capacity = capacity
             scheduler_module._compiled_steps.cache_clear()
+    if "pswiglu" in want:   # A/B of the SwiGLU epilogue against the prefill section's rows
+        section("prefill-swiglu-xla", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_epilogue=False),
+                prompts[-1:], chunks[0], (False,), "swiglu-xla")
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:

@@ -24,6 +24,14 @@ runs the copy ceiling and the routed experts' w1 and w3 (FP4, the engine's confi
 against two, at decode 64 and 512 tokens x 6 and a prefill of 8k x 6: kernel ms of each and whether
 they give the same bits (``Numerics.expert_w13_launch``).
 
+    PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --swiglu        # ~1-2 min
+
+runs the copy ceiling and an expert FFN's gate/up half at prefill (8k and 32k tokens x 6, FP4, the engine's
+prefill config): w1 and w3 with the SwiGLU and routing weight in the kernel's epilogue
+(``kernel.swiglu_tiles``) against the one-launch w1/w3 kernel followed by XLA's elementwise SwiGLU, each
+giving h [rows, 2304] float32: ms of each (all kernels of the call) and the largest difference between
+the two h, relative to the largest |h| (0 where exp rounds alike).
+
     PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --dequant-ab     # ~2-3 min on an H200
 
 runs only the copy ceiling and an A/B of the quantized kernels' dequantization (section 6): FP4 with the
@@ -90,13 +98,14 @@ def save():
 
 
 _MODE_SECTIONS = {"--dequant-ab": ("ceilings", "dequant_ab"), "--sweep": ("ceilings", "sweep"),
-                  "--invariance": ("correctness", "invariance"), "--w13": ("ceilings", "w13")}
+                  "--invariance": ("correctness", "invariance"), "--w13": ("ceilings", "w13"),
+                  "--swiglu": ("ceilings", "swiglu")}
 _MODE = next((m for m in _MODE_SECTIONS if m in sys.argv[1:]), None)
 
 
 def section(name: str, need_s: float):
     def deco(fn):
-        wanted = name in _MODE_SECTIONS[_MODE] if _MODE else name not in ("dequant_ab", "sweep", "w13")
+        wanted = name in _MODE_SECTIONS[_MODE] if _MODE else name not in ("dequant_ab", "sweep", "w13", "swiglu")
         if not wanted:
             if _MODE:
                 RESULTS["sections"][name] = f"skipped: {_MODE}"
@@ -841,6 +850,50 @@ def _():
                                f"{cfg.fp4_operands}")
         TABLE.append(f"w13 {phase:7s} {tokens:6d}x6: one launch {one_ms:.3f} ms, two {two_ms:.3f} ms "
                      f"({one_ms / two_ms:.3f}x), same bits: {same}")
+    return out
+
+
+@section("swiglu", 30)
+def _():
+    """w1/w3 + SwiGLU in one launch (``swiglu_tiles``) against w1/w3 in one launch + XLA's SwiGLU, at the
+    prefill rows; both write h float32 in tile order."""
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, swiglu_tiles, tile_rows
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+
+    fmt, out, limit = WeightFormat.FP4, {}, 10.0
+    w1, s1 = weights(fmt)
+    w3, s3 = make_weights(fmt, jax.random.key(5))
+    pairs = [(tile_major_weights(w, *TILE_MAJOR_TILE), kernel_scales(s, fmt, N_WIDTH)) for w, s in ((w1, s1), (w3, s3))]
+    iters = 1 if INTERPRET else 10
+    for tokens in TOKENS[2:]:
+        key = f"prefill{tokens}"
+        if left() < 20:
+            out[key] = "skipped (time)"
+            continue
+        cfg = engine_fp4_cfg(tokens, "bf16")
+        gid = routing(jax.random.key(tokens), tokens)
+        x = fp8_per_32(rows(jax.random.key(tokens + 1), tokens))
+        plan, x_pk = tile_rows(x, gid, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True, rows_per_source=TOP_K)
+        row_w = jnp.where(plan.row_src < gid.shape[0], jax.random.uniform(jax.random.key(9), plan.row_src.shape), 0.0)
+
+        def xla_tail(xp, p1, p3, rw, cfg=cfg, plan=plan):
+            y13 = grouped_matmul_tiles(plan, xp, *p1, config=cfg, scales_prepared=True, more=(p3,))
+            g, u = y13[:, :N_WIDTH], y13[:, N_WIDTH:]
+            return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit) * rw[:, None]
+
+        fused = jax.jit(lambda xp, p1, p3, rw, cfg=cfg, plan=plan: swiglu_tiles(
+            plan, xp, *p1, *p3, rw, limit=limit, config=cfg, scales_prepared=True))
+        unfused = jax.jit(xla_tail)
+        used = np.repeat(np.asarray(plan.tile_group) >= 0, cfg.block_m)
+        h_f, h_x = (np.asarray(f(x_pk, *pairs, row_w))[used] for f in (fused, unfused))
+        rel = float(np.abs(h_f - h_x).max() / max(np.abs(h_x).max(), 1e-30))
+        del h_f, h_x
+        fused_ms, _ = kernel_times_ms(fused, x_pk, *pairs, row_w, iters=iters)
+        unfused_ms, _ = kernel_times_ms(unfused, x_pk, *pairs, row_w, iters=iters)
+        out[key] = dict(fused_ms=fused_ms, unfused_ms=unfused_ms, max_rel_diff=rel,
+                        config=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.stages} c{cfg.consumers}")
+        TABLE.append(f"swiglu prefill {tokens:6d}x6: epilogue {fused_ms:.3f} ms, w13 launch + XLA {unfused_ms:.3f} ms "
+                     f"({fused_ms / unfused_ms:.3f}x), max |diff| / max |h| {rel:.2e}")
     return out
 
 

@@ -862,6 +862,78 @@ def test_two_weights_in_one_launch_give_each_weights_own_bits_in_gpu_interpreter
         grouped_matmul_tiles(plan, x_pk, w, s, config=_TINY_CFG, more=((w[:, :128], s),))
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.value)
+def test_swiglu_epilogue_gives_the_w13_launch_rows_through_the_swiglu_in_gpu_interpreter(fmt):
+    """``swiglu_tiles`` (w1, w3 and the SwiGLU times the row weight in one launch): the rows of the
+    one-launch w1/w3 kernel put through the model's SwiGLU in XLA, bit for bit in the interpreter (the
+    same g and u, and the interpreter's exp is XLA's), with and without the clamp, in both launches and
+    in the tile-major layout; padding rows (row weight 0) give 0; configs without 128 weight rows a
+    consumer, the E4M3 operand form and a row weight of the wrong length are refused."""
+    from pallas_kernels.grouped_gemm.config import tile_major_weights
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, swiglu_tiles, tile_rows
+
+    g, n, k, m = 3, 256, 256, 21
+    w, s, x, gid = _routed_problem(29, fmt, g, n, k, m)
+    w3, s3, _, _ = _routed_problem(31, fmt, g, n, k, m)
+    plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=16, fp4=fmt is WeightFormat.FP4)
+    used = np.repeat(np.asarray(plan.tile_group) >= 0, 16)      # unused tiles are never written
+    routed = np.asarray(plan.row_src) < m
+    row_w = jnp.asarray(np.where(routed, np.random.default_rng(3).uniform(0.1, 2, routed.shape), 0), jnp.float32)
+    base = dataclasses.replace(_TINY_CFG, block_n=256)         # 128 weight rows a consumer: 64 of each weight
+    with _interpret():
+        for persistent in (False, True):
+            cfg = dataclasses.replace(base, persistent=persistent)
+            y13 = grouped_matmul_tiles(plan, x_pk, w, s, config=cfg, more=((w3, s3),))
+            gate, up = y13[:, :n], y13[:, n:]
+            for limit in (3.0, None):      # outputs are O(10): the clamp bites
+                want = jax.nn.silu(gate if limit is None else jnp.minimum(gate, limit)) * (
+                    up if limit is None else jnp.clip(up, -limit, limit)) * row_w[:, None]
+                got = swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=limit, config=cfg)
+                assert got.shape == (plan.row_src.shape[0], n)
+                assert np.array_equal(_bits(got)[used], _bits(want)[used]), (persistent, limit)
+                assert not np.any(np.asarray(got)[used & ~routed])
+                assert np.abs(np.asarray(got)[used]).max() > 1.0
+            clamped = swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=cfg)
+            tm_cfg = dataclasses.replace(cfg, weights_tile_major=True)
+            for tile_k in (tm_cfg.block_k, 2 * tm_cfg.block_k):    # K steps reading whole / half layout tiles
+                w_t, w3_t = (tile_major_weights(a, tm_cfg.block_n, tile_k) for a in (w, w3))
+                got_t = swiglu_tiles(plan, x_pk, w_t, s, w3_t, s3, row_w, limit=3.0, config=tm_cfg)
+                assert np.array_equal(_bits(got_t)[used], _bits(clamped)[used]), (persistent, tile_k)
+    assert not races_found()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=_TINY_CFG)
+    with pytest.raises(ValueError, match="row_weight_p"):
+        swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w[:-1], limit=3.0, config=base)
+    with pytest.raises(ValueError, match="out_rows"):
+        swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=dataclasses.replace(base, out_rows=False))
+    if fmt is WeightFormat.FP4:
+        from pallas_kernels.grouped_gemm.kernel import swiglu_unsupported_reason
+
+        assert "E4M3" in swiglu_unsupported_reason(dataclasses.replace(base, fp4_operands="e4m3"), fmt)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4], ids=lambda f: f.value)
+def test_swiglu_epilogue_lowers_for_hopper(fmt):
+    """``swiglu_tiles`` in the GPU configuration (dequantized A in registers, both launches, the FP4
+    decoders the engine picks) passes Mosaic GPU's lowering for CUDA without a GPU: layouts, the
+    float32 row stores' whole sectors, shared memory."""
+    from pallas_kernels.grouped_gemm.kernel import swiglu_tiles, tile_rows
+
+    g, n, k, m = 4, 256, 256, 40
+    x, gid = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32)
+    if fmt is WeightFormat.FP8:
+        w, s = jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((g, n // 32, k // 32), jnp.uint8)
+    else:
+        w, s = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
+    for extra in (dict(persistent=True, fp4_dequant="subnormal"), dict(persistent=False, fp4_dequant="packed")):
+        cfg = GroupedMatmulConfig(block_m=32, block_n=256, block_k=64, stages=3, consumers=2, **extra)
+
+        def run(x, w, gid, s, cfg=cfg):
+            plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=cfg.block_m, fp4=fmt is WeightFormat.FP4)
+            return swiglu_tiles(plan, x_pk, w, s, w, s, jnp.ones(x_pk.shape[0]), limit=7.0, config=cfg)
+        assert "mosaic_gpu" in jax.jit(run).trace(x, w, gid, s).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_pdl_configs_lower_with_the_grid_wait_and_others_without():
     """``pdl=True`` (``Numerics.kernel_pdl``): the grouped GEMM, attention and Sinkhorn kernels lower for
     CUDA with ``griddepcontrol.wait`` and the module marked as using PDL, which makes the runtime launch

@@ -417,6 +417,39 @@ def test_w1_and_w3_in_one_launch_change_no_bits(tiny_cfg):
     assert np.array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_swiglu_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg):
+    """``Numerics.expert_swiglu_epilogue`` (default): where the swiglu runs on tile-order rows (few padding
+    rows) and the config has 128 weight rows a consumer (the 256-row tile-major layout), w1, w3 and the
+    swiglu are one ``swiglu_tiles`` launch, with the bits of the w1/w3 launch and XLA's swiglu in the
+    interpreter; mostly-padding calls (decode) keep the routed-row swiglu."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm import kernel as gg_kernel
+
+    rng = np.random.default_rng(12)
+    p = _moe_layer(rng, 256, 256, 4)
+    experts = moe_module.prepare_experts_tile_major(moe_module.prepare_expert_scales(p))["experts"]
+    nq = Numerics("bfloat16", False, False)
+    assert nq.expert_swiglu_epilogue
+    outs, calls = {}, {}
+    for tokens in (64, 5):      # 128 routed rows in 11 tiles of 16 (1.4x), and 10 in 4 tiles (mostly padding)
+        x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)
+        ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
+        for on in (True, False):
+            seen = calls[tokens, on] = []
+            with pytest.MonkeyPatch.context() as mp:
+                real = gg_kernel.swiglu_tiles
+                mp.setattr(gg_kernel, "swiglu_tiles", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+                num = dataclasses.replace(nq, expert_swiglu_epilogue=on)
+                outs[tokens, on] = np.asarray(jax.block_until_ready(jax.jit(
+                    lambda xm, ids=ids, w=w, num=num: moe_module.routed_experts_grouped(
+                        experts, xm, ids, w, 10.0, num, 32, "interpret"))(x)))
+        assert np.array_equal(outs[tokens, True], outs[tokens, False]), tokens
+        assert float(np.abs(outs[tokens, True]).max()) > 0.1
+    assert calls == {(64, True): [1], (64, False): [], (5, True): [], (5, False): []}
+
+
 def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     """``Numerics.expert_operands``: "e4m3" runs the FP4 experts' kernel on E4M3 operands (interpreter)
     within float32 rounding of the bf16 form (same products: the activations are FP8 values); the shared

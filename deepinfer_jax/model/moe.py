@@ -380,8 +380,8 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
     only its result is gathered back. Every row meets the same kernel, tiles and elementwise ops as on
     the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
     from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
-    from pallas_kernels.grouped_gemm.kernel import (gather_kernel_rows, grouped_matmul_tiles, retile, tile_rows,
-                                                    untile_rows)
+    from pallas_kernels.grouped_gemm.kernel import (gather_kernel_rows, grouped_matmul_tiles, retile,
+                                                    swiglu_tiles, swiglu_unsupported_reason, tile_rows, untile_rows)
 
     m, k = w_mk.shape
     num_groups = _weight_shape(p_exp["w1"])[0]
@@ -391,13 +391,14 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         return grouped_matmul_tiles(plan, x_pk, w, s, out_dtype=jnp.float32, config=cfgs[name],
                                     scales_prepared=prepared)
 
+    w1, s1, prepared1 = _kernel_weights(p_exp["w1"])
+    w3, s3, prepared3 = _kernel_weights(p_exp["w3"])
+    alike = (numerics.expert_w13_launch and cfgs["w1"] == cfgs["w3"] and prepared1 == prepared3
+             and w1.shape == w3.shape and w1.dtype == w3.dtype and (s1 is None) == (s3 is None))
+
     def gate_and_up(x_pk):
         """(w1's, w3's results) [T*block_m, inter]: one launch where both weights are held alike."""
-        w1, s1, prepared1 = _kernel_weights(p_exp["w1"])
-        w3, s3, prepared3 = _kernel_weights(p_exp["w3"])
-        alike = (cfgs["w1"] == cfgs["w3"] and prepared1 == prepared3 and w1.shape == w3.shape
-                 and w1.dtype == w3.dtype and (s1 is None) == (s3 is None))
-        if not (numerics.expert_w13_launch and alike):
+        if not alike:
             return run(x_pk, "w1"), run(x_pk, "w3")
         inter = _weight_shape(p_exp["w1"])[1]
         y13 = grouped_matmul_tiles(plan, x_pk, w1, s1, out_dtype=jnp.float32, config=cfgs["w1"],
@@ -416,18 +417,26 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
 
     plan, x_pk = tile_rows(quantized_rows(x_md, e4m3["w1"]), gid, num_groups=num_groups,
                            block_m=cfgs["w1"].block_m, fp4=fp4["w1"], e4m3=e4m3["w1"], rows_per_source=k)
-    g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)   # [T*block_m, inter] each
-    if g_pn.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
+    if plan.row_src.shape[0] > ROUTED_SWIGLU_PADDING * m * k:
         # Mostly padding (decode: 6,144 padded rows for 384 routed; a 2048-token chunk: 3x): the swiglu
         # and quantizer run on the routed rows only, which are then placed in tile order for w2. Per
         # element this moves 12 bytes per routed row plus 2 per padded row, instead of 10 per padded
         # row (so from 1.5x padding). Row-local work on the same rows, so the same bits.
+        g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)   # [T*block_m, inter] each
         hid_mi = swiglu(untile_rows(g_pn, plan), untile_rows(u_pn, plan), limit) * w_mk.reshape(m * k, 1)
         x2_mi = quantized_rows(hid_mi.astype(numerics.dtype), e4m3["w2"])
         x2_pk = gather_kernel_rows(retile(x2_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
         w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
-        hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
+        if alike and numerics.expert_swiglu_epilogue and swiglu_unsupported_reason(cfgs["w1"], fmts["w1"]) is None:
+            # w1, w3 and the swiglu times w_p in one launch: g and u never leave the kernel
+            # (float32 rows: a bf16 row store from the accumulator layout fills half of each 32-byte
+            # sector, which newer Mosaic GPU refuses)
+            hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit,
+                                                       config=cfgs["w1"], scales_prepared=prepared1), interpret)
+        else:
+            g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)
+            hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
         hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
         x2_pk = retile(hid_pn, fp4=fp4["w2"], e4m3=e4m3["w2"])
     y_pn = _interpreted(lambda: run(x2_pk, "w2"), interpret)

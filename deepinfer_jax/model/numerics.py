@@ -100,6 +100,15 @@ class Numerics:
     # 4-layer H100 B=64 step (2026-12-07): 8.68 / 8.65 ms against 8.74 / 8.71 with two launches, the same
     # tokens. False: the two launches (the A/B, ``e2e_gpu.py --sections w13two`` or ``--w13-launch off``).
     expert_w13_launch: bool = True
+    # Where the routed experts' SwiGLU runs on the tile-order rows (prefill: few padding rows), w1, w3 and
+    # the SwiGLU times the routing weight as one kernel launch (``grouped_gemm.kernel.swiglu_tiles``): g
+    # and u stay in the kernel's registers instead of going through HBM as float32 [rows, 2 x 2304]
+    # (~3 GB written and read a layer-chunk at chunk 16384). The same g and u bits; the elementwise tail
+    # in the kernel may round exp unlike XLA's fusion (a static choice, still a function of the row).
+    # Needs expert_w13_launch's conditions and a config with 128 weight rows a consumer (the prefill
+    # tiles); elsewhere the w13 launch and XLA's SwiGLU run. False: the A/B (``e2e_gpu.py --sections
+    # pswiglu``).
+    expert_swiglu_epilogue: bool = True
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel

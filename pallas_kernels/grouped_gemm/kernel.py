@@ -30,6 +30,10 @@ takes items c, c + #CTAs, ... (tile-major), its TMA ring running on across them.
   gathers the token rows back. The earlier form stores it to y^T [N, T*block_m] through shared memory
   with TMA (in the persistent launch, while the next item runs), and the wrapper transposes.
 
+* ``swiglu_tiles``: w1 and w3 of an expert FFN in one launch with the SwiGLU and routing weight in the
+  epilogue; each consumer keeps an accumulator for its share of w1's rows and one for w3's same rows,
+  and writes only h (``_build``'s ``swiglu``).
+
 Invariance: the K loop runs in a fixed order of 16-wide wgmma steps into one f32 accumulator; there is
 no split-K and nothing depends on M, on the group sizes, or on where a row sits in its tile.
 
@@ -114,14 +118,27 @@ def _fp4_nibble_to_f32(nib):
 
 
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype,
-           w_tile_bytes: int | None = None, n_weights: int = 1):
+           w_tile_bytes: int | None = None, n_weights: int = 1, swiglu: tuple[float | None] | None = None):
     """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row.
     n_weights: weight arrays of N rows each (same format and shape), run as one launch on the same x
     rows: y's columns are the first one's N, then the next one's. Column block nt reads weight
-    nt // (N / block_n); the work of each block is what a launch on that weight alone does."""
+    nt // (N / block_n); the work of each block is what a launch on that weight alone does.
+    swiglu: (limit,) for the gate/up epilogue (``swiglu_unsupported_reason`` says when it runs): the
+    two weights are gate and up, column block nt covers output columns [nt*F, (nt+1)*F) with F =
+    block_n / 2, its weight tile being gate's rows of those columns, then up's. Consumer c holds the
+    accumulators of gate's and up's rows [c*R, (c+1)*R) of the block (R = block_n / consumers / 2),
+    each fed the same wgmmas in the same order as a launch on that weight alone, and writes
+    silu(min(gate, limit)) * clip(up, +-limit) * row_weight (limit None: no clamp) to y [T*block_m, N]."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_cons = cfg.consumers
     wg_rows = bn // n_cons
+    n_pieces = 1 if swiglu is None else 2       # accumulators per consumer: its rows of each weight
+    piece_rows = wg_rows // n_pieces
+    feat = bn // n_pieces                       # rows of one weight per column block
+    if swiglu is not None and (n_weights != 2 or piece_rows % 64 or uses_e4m3_rows(cfg, fmt)
+                               or not writes_rows(cfg, out_dtype)):
+        raise ValueError(f"the swiglu epilogue needs two weights, float32 rows out, bf16 x rows and block_n / "
+                         f"consumers a multiple of 128; got {n_weights} weights, {cfg}")
     n_steps = k // bk
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
@@ -141,6 +158,8 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_rows = writes_rows(cfg, out_dtype)
     copies_per_step = 4 if e4m3 else 3 if quant else 2
+    if swiglu is not None:      # x, then each weight's piece and its scales
+        copies_per_step = 1 + 2 * (2 if quant else 1)
     overlap = quant and cfg.overlap_wgmma
     a_bufs = 2 if overlap or (e4m3 and cfg.e4m3_overlap) else 1
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -168,15 +187,16 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         return plgpu.load(w_smem.at[slot, rows, pl.ds(c * block_bytes, block_bytes)], layout=w_layout,
                           optimized=False)
 
-    def dequant_block(w_smem, q_step, s_smem, slot, rows, c):
-        """[wg_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order)."""
-        s_u8 = plgpu.load(s_smem.at[slot, c, rows], layout=row_layout, optimized=False)
+    def dequant_block(w_smem, q_step, s_step, s_rows, slot, rows, c):
+        """[piece_rows, 32] bf16 A operand for scale block c of this step (in the kernel's K order);
+        s_step: the step's scales [K step's blocks, ...], s_rows: this piece's rows in them."""
+        s_u8 = plgpu.load(s_step.at[c, s_rows], layout=row_layout, optimized=False)
         q = block_weights(w_smem, q_step, slot, rows, c)
         if fp4_mode in _PTX_MODES:
-            return fp4_packed.dequant(q, lax.broadcast_in_dim(s_u8.astype(jnp.int32), (wg_rows, _HALF), [0]),
+            return fp4_packed.dequant(q, lax.broadcast_in_dim(s_u8.astype(jnp.int32), (piece_rows, _HALF), [0]),
                                       mode=fp4_mode)
         scale = _e8m0_row_to_f32_times_2_14(s_u8) if fp4_bits else _e8m0_row_to_f32(s_u8)
-        scale = lax.broadcast_in_dim(scale, (wg_rows, SCALE_BLOCK), [0])
+        scale = lax.broadcast_in_dim(scale, (piece_rows, SCALE_BLOCK), [0])
         if fmt is WeightFormat.FP8:
             vals = q.astype(jnp.float16).astype(jnp.float32)
         else:
@@ -188,7 +208,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         return (vals * scale).astype(jnp.bfloat16)
 
     w_blocks = n // bn              # column blocks of one weight array
-    n_blocks = n_weights * w_blocks
+    n_blocks = n // feat if swiglu is not None else n_weights * w_blocks
     if cfg.persistent:
         n_items = n_blocks * num_tiles
         n_ctas = min(_num_ctas(), n_items)
@@ -200,6 +220,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         wait_for_prior_grids(cfg.pdl)       # before the first read of any input (the tile plan included)
         w_refs, rest = rest[:n_weights], rest[n_weights:]
         s_refs, rest = (rest[:n_weights], rest[n_weights:]) if quant else ((None,) * n_weights, rest)
+        wp_ref, rest = (rest[0], rest[1:]) if swiglu is not None else (None, rest)   # row weights [T*block_m]
         xs_ref, rest = (rest[0], rest[1:]) if e4m3 else (None, rest)    # x's scales [K/32, P] for E4M3 rows
         y_ref, scratch = rest[0], rest[1:]
         (x_smem, w_smem, s_smem, xs_smem, a_smem, o_smem), (full, empty) = scratch
@@ -244,6 +265,25 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), n_rows],
                                             s_smem.at[slot], full.at[slot])
 
+            def load_gate_up(nt, grp, i, slot):
+                """Step i's rows [nt*F, (nt+1)*F) of each weight (the swiglu epilogue's tile): gate's
+                into the slot's first F rows, up's into the next F; their scales [2, K step's blocks, F]."""
+                row0 = nt * feat
+                tile, off = lax.div(row0, bn), lax.rem(row0, bn)   # (tile-major: F divides block_n)
+                for wi in range(2):
+                    if not cfg.weights_tile_major:
+                        w_part = w_refs[wi].at[grp, pl.ds(row0, feat), pl.ds(i * bk_bytes, bk_bytes)]
+                    elif steps_per_tile == 1:
+                        w_part = w_refs[wi].at[grp, tile, i, pl.ds(off, feat)]
+                    else:
+                        w_part = w_refs[wi].at[grp, tile, lax.div(i, steps_per_tile), pl.ds(off, feat),
+                                               pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
+                    plgpu.copy_gmem_to_smem(w_part, w_smem.at[slot, pl.ds(wi * feat, feat)], full.at[slot])
+                    if quant:
+                        plgpu.copy_gmem_to_smem(
+                            s_refs[wi].at[grp, pl.ds(i * n_blocks_k, n_blocks_k), pl.ds(row0, feat)],
+                            s_smem.at[slot, wi], full.at[slot])
+
             def load(k, nt, t, grp):
                 m_rows = pl.ds(t * bm, bm)
 
@@ -256,9 +296,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
                     plgpu.copy_gmem_to_smem(x_ref.at[m_rows, pl.ds(i * bk, bk)], x_smem.at[slot], full.at[slot])
-                    if n_weights == 1:
+                    if swiglu is not None:
+                        load_gate_up(nt, grp, i, slot)
+                    elif n_weights == 1:
                         load_weights(w_refs[0], s_refs[0], nt, grp, i, slot)
-                    for wi in range(n_weights if n_weights > 1 else 0):
+                    for wi in range(n_weights if n_weights > 1 and swiglu is None else 0):
                         # (each branch issues the same copies, so the slot's barrier counts the same bytes)
                         @pl.when(lax.div(nt, w_blocks) == wi)
                         def _(wi=wi):
@@ -356,35 +398,50 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                 acc0 = plgpu.layout_cast(jnp.zeros((wg_rows, bm), jnp.float32), plgpu.Layout.WGMMA)
                 return lax.fori_loop(0, n_steps, k_step_overlapped if cfg.e4m3_overlap else k_step, acc0)
 
+            # (weight rows in the slot's tile, the step's scales -> [K step's blocks, R], rows in them)
+            # per accumulator: the consumer's rows, or with the swiglu epilogue its gate and up rows
+            if swiglu is None:
+                pieces = ((rows, lambda slot: s_smem.at[slot], rows),)
+            else:
+                own = pl.ds(half * piece_rows, piece_rows)
+                pieces = tuple((pl.ds(p * feat + half * piece_rows, piece_rows),
+                                lambda slot, p=p: s_smem.at[slot, p], own) for p in range(n_pieces))
+
             def compute(k, nt, t, grp):
-                def acc_scope(acc_ref):
+                def acc_scope(*acc_refs):
                     @pl.loop(0, n_steps)
                     def _(i):
                         step = k * n_steps + i
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(full.at[slot])
                         if quant:
-                            q_step = load_step_weights(w_smem, slot, rows)
-                            for c in range(bk // SCALE_BLOCK):
-                                a = dequant_block(w_smem, q_step, s_smem, slot, rows, c)
+                            q_steps = [load_step_weights(w_smem, slot, w_rows) for w_rows, _, _ in pieces]
+                            # units (scale block c, piece p) in this fixed order: each accumulator gets
+                            # its blocks in K order, as a launch on its weight alone
+                            for u in range(n_blocks_k * n_pieces):
+                                c, p = divmod(u, n_pieces)
+                                w_rows, s_step, s_rows = pieces[p]
+                                a = dequant_block(w_smem, q_steps[p], s_step(slot), s_rows, slot, w_rows, c)
                                 if not cfg.a_from_registers:
-                                    buf = a_smem.at[half, c % a_bufs]
+                                    buf = a_smem.at[half, u % a_bufs]
                                     buf[...] = a
                                     plgpu.commit_smem()
                                     a = buf
-                                plgpu.wgmma(acc_ref, a, x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                                plgpu.wgmma(acc_refs[p], a,
+                                            x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
                                 if not overlap:
-                                    plgpu.wgmma_wait(0)   # the next block overwrites a
+                                    plgpu.wgmma_wait(0)   # the next unit overwrites a
                                     continue
-                                # Block c-1's wgmma (and its A) is done; block c's runs while c+1 is dequantized.
+                                # Unit u-1's wgmma (and its A) is done; unit u's runs while u+1 is dequantized.
                                 plgpu.wgmma_wait(1)
-                                if c == 0:
+                                if u == 0:
                                     # ... and with it the previous step's last wgmma: release that step's slot.
                                     @pl.when(i > 0)
                                     def _():
                                         plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
                         else:
-                            plgpu.wgmma(acc_ref, w_smem.at[slot, rows], x_smem.at[slot].T)
+                            for p, (w_rows, _, _) in enumerate(pieces):
+                                plgpu.wgmma(acc_refs[p], w_smem.at[slot, w_rows], x_smem.at[slot].T)
                             plgpu.wgmma_wait(0)
                         if not overlap:
                             plgpu.barrier_arrive(empty.at[slot])
@@ -392,12 +449,24 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     if overlap:
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(empty.at[lax.rem(k * n_steps + n_steps - 1, stages)])
-                    return acc_ref[...]
+                    return tuple(acc_ref[...] for acc_ref in acc_refs)
 
                 if e4m3:
                     acc = compute_e4m3(k)
                 else:
-                    acc = pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, bm), jnp.float32))
+                    accs = pl.run_scoped(acc_scope, *[plgpu.ACC((piece_rows, bm), jnp.float32)] * n_pieces)
+                    acc = accs[0]
+                if swiglu is not None:
+                    # silu(min(g, limit)) * clip(u, +-limit) * row weight, in moe.swiglu's order
+                    (limit,), (g, up) = swiglu, accs
+                    if limit is not None:
+                        up = jnp.clip(up, -limit, limit)
+                        g = jnp.minimum(g, limit)
+                    row_w = plgpu.load(wp_ref.at[pl.ds(t * bm, bm)], layout=col_layout, optimized=False)
+                    h = jax.nn.silu(g) * up * lax.broadcast_in_dim(row_w, (piece_rows, bm), [1])
+                    y_blk = y_ref.at[pl.ds(t * bm, bm), pl.ds(nt * feat + half * piece_rows, piece_rows)]
+                    y_blk.T[...] = plgpu.layout_cast(h.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                    return
                 if out_rows:
                     # Straight from registers into y [P, N]: in the transposed WGMMA layout each thread
                     # holds two adjacent weight rows (output columns) of one token row, so 8 lanes write
@@ -418,10 +487,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
         run_warpgroups(consumer, [producer], consumers=n_cons)
 
-    s_shape = (stages, n_blocks_k, bn) if quant else (1, 8, 128)   # unused placeholder for bf16
+    s_shape = ((stages, n_blocks_k, bn) if swiglu is None else (stages, n_pieces, n_blocks_k, feat)) if quant \
+        else (1, 8, 128)   # unused placeholder for bf16
     xs_shape = (stages, n_blocks_k, bm) if e4m3 else (1, 1, 8)      # x's scales (E4M3 rows only)
     a_staged = quant and not cfg.a_from_registers
-    a_shape = (n_cons, a_bufs, wg_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
+    a_shape = (n_cons, a_bufs, piece_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
     a_dtype, a_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(64, 2))
     # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
     o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
@@ -438,12 +508,13 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     )
 
     def entry(*refs):
-        n_in = 2 + n_weights * (2 if quant else 1) + (1 if e4m3 else 0)
+        n_in = 2 + n_weights * (2 if quant else 1) + (swiglu is not None) + (1 if e4m3 else 0)
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *s: body(*ins, *outs, *s), *scratch, collective_axes="wg")
 
     grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
-    out_shape = (num_tiles * bm, n_weights * n) if out_rows else (n_weights * n, num_tiles * bm)
+    n_out = n if swiglu is not None else n_weights * n
+    out_shape = (num_tiles * bm, n_out) if out_rows else (n_out, num_tiles * bm)
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=grid, grid_names=grid_names, num_threads=n_cons + 1, thread_name="wg")
 
@@ -598,6 +669,57 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
     the same rows -> y [T*block_m, N * (1 + len(more))], w's columns first. Each column's result is
     the one a launch on its own weight gives, bit for bit (the same tiles and K order); an expert
     FFN's w1 and w3 take one launch instead of two."""
+    fmt, ws, ss = _tiles_operands(plan, x_pk, w, w_scale, more, config, scales_prepared, out_dtype,
+                                  "grouped_matmul_tiles")
+    y = _run_kernel(plan.tile_group, x_pk, ws, ss, fmt=fmt, config=config, out_dtype=out_dtype)
+    return y if writes_rows(config, out_dtype) else y.T
+
+
+def swiglu_unsupported_reason(config: GroupedMatmulConfig, fmt: WeightFormat) -> str | None:
+    """Why ``swiglu_tiles`` cannot run with this config and weight format, or None if it can. Each
+    consumer holds two [block_n / consumers / 2, block_m] accumulators (gate's rows and up's), each a
+    whole number of 64-row wgmma granules, and writes float32 rows from them; the E4M3 operand form's
+    per-block float32 sums are not built for two accumulators."""
+    if (config.block_n // config.consumers) % 128:
+        return f"block_n / consumers = {config.block_n // config.consumers} is not a multiple of 128"
+    if uses_e4m3_rows(config, fmt):
+        return "the E4M3 operand form (fp4_operands / fp8_operands 'e4m3') has no swiglu epilogue"
+    if not config.out_rows:
+        return "out_rows=False (the y^T form) has no swiglu epilogue"
+    return None
+
+
+def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.Array | None, w3: jax.Array,
+                 w3_scale: jax.Array | None, row_weight_p: jax.Array, *, limit: float | None,
+                 config: GroupedMatmulConfig = GroupedMatmulConfig(), scales_prepared: bool = False) -> jax.Array:
+    """An expert FFN's gate/up GEMMs and its SwiGLU in one launch on ``tile_rows`` / ``retile`` rows
+    -> h [T*block_m, N] float32 in tile order:
+
+        h = silu(min(x . w1^T, limit)) * clip(x . w3^T, -limit, limit) * row_weight_p[:, None]
+
+    (``deepinfer_jax.model.moe.swiglu`` times the row's routing weight; limit None: no clamp). The
+    two products are the ones ``grouped_matmul_tiles`` gives for each weight, bit for bit (the same
+    wgmmas in the same K order); the elementwise tail runs in the kernel's registers, so g and u are
+    never written (2 x 4 bytes a row and column, read back once). Its bits may differ from XLA's
+    elementwise ops on a GPU (exp's rounding); they are still a function of the row alone.
+    row_weight_p: float32 [T*block_m], 0 on padding rows (their h is then 0). Unused tiles are not
+    written. The config must pass ``swiglu_unsupported_reason``. (float32 only: a bf16 row store from
+    the accumulator layout writes 16-byte runs, half a sector, which Mosaic GPU after jax 0.11 refuses.)"""
+    fmt, ws, ss = _tiles_operands(plan, x_pk, w1, w1_scale, ((w3, w3_scale),), config, scales_prepared,
+                                  jnp.float32, "swiglu_tiles")
+    if (why := swiglu_unsupported_reason(config, fmt)) is not None:
+        raise ValueError(f"swiglu_tiles cannot run this config: {why}")
+    if row_weight_p.shape != (x_pk.shape[0],):
+        raise ValueError(f"row_weight_p must be [{x_pk.shape[0]}] (one weight a padded row), got "
+                         f"{row_weight_p.shape}")
+    return _run_kernel(plan.tile_group, x_pk, ws, ss, row_weight_p.astype(jnp.float32), fmt=fmt, config=config,
+                       out_dtype=jnp.float32, swiglu=(None if limit is None else float(limit),))
+
+
+def _tiles_operands(plan: TilePlan, x_pk, w, w_scale, more, config: GroupedMatmulConfig, scales_prepared: bool,
+                    out_dtype, caller: str) -> tuple[WeightFormat, tuple, tuple | None]:
+    """Checks a tile-order call's rows, plan and weights -> (format, weights, kernel-layout scales or
+    None for bf16)."""
     # (E4m3Rows have the shape of their values)
     if x_pk.shape[0] != plan.row_src.shape[0] or plan.row_src.shape[0] != plan.tile_group.shape[0] * config.block_m:
         raise ValueError(f"x_pk has {x_pk.shape[0]} rows and the plan {plan.row_src.shape[0]} padded rows in "
@@ -606,7 +728,7 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
     x_struct = jax.ShapeDtypeStruct(x_pk.shape, jnp.bfloat16)
     gid_struct = jax.ShapeDtypeStruct((x_pk.shape[0],), jnp.int32)
     fmt, _, _, s_kernel = _kernel_operands(x_struct, w, gid_struct, w_scale, scales_prepared, config, out_dtype,
-                                           "grouped_matmul_tiles")
+                                           caller)
     if isinstance(x_pk, E4m3Rows) != uses_e4m3_rows(config, fmt):
         raise ValueError(f"x_pk is {'E4m3Rows' if isinstance(x_pk, E4m3Rows) else 'bf16 rows'} but the config "
                          f"(fp4_operands={config.fp4_operands!r}, {fmt.value} weights) takes the other form: "
@@ -614,14 +736,12 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
     ws, ss = [w], [s_kernel]
     for w_more, s_more in more:
         if w_more.shape != w.shape or w_more.dtype != w.dtype:
-            raise ValueError(f"grouped_matmul_tiles: every weight of one launch needs w's shape and dtype "
+            raise ValueError(f"{caller}: every weight of one launch needs w's shape and dtype "
                              f"{w.shape} {w.dtype}, got {w_more.shape} {w_more.dtype}")
         ws.append(w_more)
         ss.append(_kernel_operands(x_struct, w_more, gid_struct, s_more, scales_prepared, config, out_dtype,
-                                   "grouped_matmul_tiles")[3])
-    y = _run_kernel(plan.tile_group, x_pk, tuple(ws), None if s_kernel is None else tuple(ss), fmt=fmt,
-                    config=config, out_dtype=out_dtype)
-    return y if writes_rows(config, out_dtype) else y.T
+                                   caller)[3])
+    return fmt, tuple(ws), None if s_kernel is None else tuple(ss)
 
 
 def untile_rows(y_pn: jax.Array, plan: TilePlan, out_dtype=jnp.float32) -> jax.Array:
@@ -665,16 +785,18 @@ def _unpermute(y_np, plan, *, out_dtype):
     return jnp.where(plan.valid_m[:, None], y, jnp.zeros((), y.dtype)).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype"))
-def _run_kernel(tile_group, x_pk, ws, s_kernels, *, fmt, config, out_dtype):
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "out_dtype", "swiglu"))
+def _run_kernel(tile_group, x_pk, ws, s_kernels, row_weight=None, *, fmt, config, out_dtype, swiglu=None):
     """The kernel alone: tile_group [T], x_pk [T*block_m, K] (or ``E4m3Rows``), ws a tuple of weight
     arrays of one shape (s_kernels their kernel-layout scales, or None for bf16) -> y [T*block_m,
-    len(ws) * N] (y^T unless ``writes_rows(config, out_dtype)``)."""
+    len(ws) * N] (y^T unless ``writes_rows(config, out_dtype)``); with ``swiglu=(limit,)`` and
+    row_weight [T*block_m] float32, the gate/up epilogue's y [T*block_m, N]."""
     n = row_major_shape(ws[0], config)[1]
     x_scale = ()
     if isinstance(x_pk, E4m3Rows):
         x_pk, x_scale = x_pk.values, (x_pk.scale.T,)      # scales [K/32, P]: a K step's are one TMA box
     call = _build(fmt, n, x_pk.shape[1], tile_group.shape[0], config, out_dtype,
-                  ws[0].shape[4] if config.weights_tile_major else None, n_weights=len(ws))
-    args = (tile_group, x_pk, *ws) + (() if s_kernels is None else tuple(s_kernels)) + x_scale
+                  ws[0].shape[4] if config.weights_tile_major else None, n_weights=len(ws), swiglu=swiglu)
+    args = ((tile_group, x_pk, *ws) + (() if s_kernels is None else tuple(s_kernels))
+            + (() if swiglu is None else (row_weight,)) + x_scale)
     return call(*args)
