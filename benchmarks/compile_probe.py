@@ -140,6 +140,8 @@ def main(argv=None) -> int:
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
+    ap.add_argument("--swiglu-epilogue", default="off", choices=("on", "off"),
+                    help="on: the routed experts' SwiGLU in the w1/w3 launch (Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--pdl", action="store_true",
                     help="Numerics.kernel_pdl: the Mosaic GPU kernels under programmatic dependent launch")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -171,7 +173,8 @@ def main(argv=None) -> int:
     numerics = dataclasses.replace(Numerics.reference(), sinkhorn_unroll=True, stream_dot_bf16=True,
                                    dense_bf16_out=True, fp4_scale_max=127, expert_operands=args.expert_operands,
                                    attention_fp4_rows=args.attention_fp4_rows,
-                                   expert_w13_launch=args.w13_launch == "on", kernel_pdl=args.pdl)
+                                   expert_w13_launch=args.w13_launch == "on", kernel_pdl=args.pdl,
+                                   expert_swiglu_epilogue=args.swiglu_epilogue == "on")
     if args.dense_kernel is not None:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears is not None:

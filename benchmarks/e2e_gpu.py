@@ -51,9 +51,10 @@ Sections:
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
   compiled programs are cleared before and after, so each form compiles its own).
-* pswiglu: the prefill of the last --prompts length at the first --chunk, replay off, with the routed
-  experts' SwiGLU in XLA after the w1/w3 launch (``Numerics.expert_swiglu_epilogue=False``) instead of in
-  that launch's epilogue: the A/B against the prefill section's replay-off row, in the same process.
+* pswiglu: the prefill of the last --prompts length at the first --chunk, replay off, with the other
+  setting of ``Numerics.expert_swiglu_epilogue`` (the routed experts' SwiGLU in the w1/w3 launch's
+  epilogue, or in XLA after it; ``--swiglu-epilogue`` sets the run's own): the A/B against the prefill
+  section's replay-off row, in the same process.
 * nographs: the decode row at --profile-batch and the first context with XLA's command buffers off
   (``xla_gpu_enable_command_buffer=""``: every kernel launched on its own instead of one CUDA graph per
   program, which XLA re-records whenever a buffer it holds moved, e.g. each step's new inputs).
@@ -933,6 +934,8 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs (>= 96 rows an expert) on the chunk phase's 64-row tiles "
                     "(with_prefill_chunk_tiles: an A/B of the tile switch; the same bits)")
+    ap.add_argument("--swiglu-epilogue", default="off", choices=("on", "off"),
+                    help="on: the routed experts' SwiGLU in the w1/w3 launch (Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -1008,7 +1011,8 @@ def main(argv=None):
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)
     if args.expert_operands:
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
-    numerics = dataclasses.replace(numerics, expert_w13_launch=args.w13_launch == "on")
+    numerics = dataclasses.replace(numerics, expert_w13_launch=args.w13_launch == "on",
+                                   expert_swiglu_epilogue=args.swiglu_epilogue == "on")
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1129,8 +1133,10 @@ def main(argv=None):
             topk_select.prefilter_capacity = capacity
             scheduler_module._compiled_steps.cache_clear()
     if "pswiglu" in want:   # A/B of the SwiGLU epilogue against the prefill section's rows
-        section("prefill-swiglu-xla", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_epilogue=False),
-                prompts[-1:], chunks[0], (False,), "swiglu-xla")
+        other = not numerics.expert_swiglu_epilogue
+        label = "swiglu-epilogue" if other else "swiglu-xla"
+        section(f"prefill-{label}", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_epilogue=other),
+                prompts[-1:], chunks[0], (False,), label)
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:

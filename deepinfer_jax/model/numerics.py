@@ -102,13 +102,14 @@ class Numerics:
     expert_w13_launch: bool = True
     # Where the routed experts' SwiGLU runs on the tile-order rows (prefill: few padding rows), w1, w3 and
     # the SwiGLU times the routing weight as one kernel launch (``grouped_gemm.kernel.swiglu_tiles``): g
-    # and u stay in the kernel's registers instead of going through HBM as float32 [rows, 2 x 2304]
-    # (~3 GB written and read a layer-chunk at chunk 16384). The same g and u bits; the elementwise tail
-    # in the kernel may round exp unlike XLA's fusion (a static choice, still a function of the row).
-    # Needs expert_w13_launch's conditions and a config with 128 weight rows a consumer (the prefill
-    # tiles); elsewhere the w13 launch and XLA's SwiGLU run. False: the A/B (``e2e_gpu.py --sections
-    # pswiglu``).
-    expert_swiglu_epilogue: bool = True
+    # and u stay in the kernel's registers instead of going through HBM as float32 [rows, 2 x 2304]. The
+    # same g and u bits, and on the H100 the same h bits as XLA's SwiGLU. Needs expert_w13_launch's
+    # conditions and a config with 128 weight rows a consumer (the prefill tiles); elsewhere the w13 launch
+    # and XLA's SwiGLU run. Off: on the H100 (2026-12-07) the gate/up half alone took 5.22 against 6.27 ms
+    # at 8192 x 6 and 17.14 against 18.30 at 32768 x 6 (``grouped_gemm_gpu.py --swiglu``), but the 4-layer
+    # 32k prefill at chunk 16384 took 0.384 s with it against 0.378 without (one run each, the epilogue's
+    # first; ``e2e_gpu.py --sections pswiglu`` runs the other setting): no end-to-end gain shown yet.
+    expert_swiglu_epilogue: bool = False
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel
