@@ -416,26 +416,29 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                         plgpu.barrier_wait(full.at[slot])
                         if quant:
                             q_steps = [load_step_weights(w_smem, slot, w_rows) for w_rows, _, _ in pieces]
-                            # units (scale block c, piece p) in this fixed order: each accumulator gets
-                            # its blocks in K order, as a launch on its weight alone
-                            for u in range(n_blocks_k * n_pieces):
-                                c, p = divmod(u, n_pieces)
-                                w_rows, s_step, s_rows = pieces[p]
-                                a = dequant_block(w_smem, q_steps[p], s_step(slot), s_rows, slot, w_rows, c)
-                                if not cfg.a_from_registers:
-                                    buf = a_smem.at[half, u % a_bufs]
-                                    buf[...] = a
-                                    plgpu.commit_smem()
-                                    a = buf
-                                plgpu.wgmma(acc_refs[p], a,
-                                            x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
+                            for c in range(n_blocks_k):
+                                # Block c of every piece is dequantized (while block c-1's wgmmas run), then
+                                # its wgmmas issue back to back, as the one-piece kernel's 128-row wgmma does;
+                                # each accumulator still gets its blocks in K order.
+                                a_pieces = []
+                                for p, (w_rows, s_step, s_rows) in enumerate(pieces):
+                                    a = dequant_block(w_smem, q_steps[p], s_step(slot), s_rows, slot, w_rows, c)
+                                    if not cfg.a_from_registers:
+                                        buf = a_smem.at[half, (c % a_bufs) * n_pieces + p]
+                                        buf[...] = a
+                                        plgpu.commit_smem()
+                                        a = buf
+                                    a_pieces.append(a)
+                                for p, a in enumerate(a_pieces):
+                                    plgpu.wgmma(acc_refs[p], a,
+                                                x_smem.at[slot, :, pl.ds(c * SCALE_BLOCK, SCALE_BLOCK)].T)
                                 if not overlap:
-                                    plgpu.wgmma_wait(0)   # the next unit overwrites a
+                                    plgpu.wgmma_wait(0)   # the next block overwrites a
                                     continue
-                                # Unit u-1's wgmma (and its A) is done; unit u's runs while u+1 is dequantized.
-                                plgpu.wgmma_wait(1)
-                                if u == 0:
-                                    # ... and with it the previous step's last wgmma: release that step's slot.
+                                # Block c-1's wgmmas (and their A) are done; block c's run while c+1 is dequantized.
+                                plgpu.wgmma_wait(n_pieces)
+                                if c == 0:
+                                    # ... and with them the previous step's last ones: release that step's slot.
                                     @pl.when(i > 0)
                                     def _():
                                         plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
@@ -491,7 +494,8 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         else (1, 8, 128)   # unused placeholder for bf16
     xs_shape = (stages, n_blocks_k, bm) if e4m3 else (1, 1, 8)      # x's scales (E4M3 rows only)
     a_staged = quant and not cfg.a_from_registers
-    a_shape = (n_cons, a_bufs, piece_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)   # dequantized A, staged in SMEM
+    # dequantized A, staged in SMEM: a_bufs blocks of each piece
+    a_shape = (n_cons, a_bufs * n_pieces, piece_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)
     a_dtype, a_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(64, 2))
     # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
     o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
