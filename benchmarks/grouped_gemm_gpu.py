@@ -810,19 +810,37 @@ def _():
     return out
 
 
+def w13_pairs():
+    """An expert FFN's (w1, w3) as the engine holds them: FP4 tile-major weights and kernel-layout scales."""
+    from pallas_kernels.grouped_gemm.scales import kernel_scales
+
+    fmt = WeightFormat.FP4
+    w1, s1 = weights(fmt)
+    w3, s3 = make_weights(fmt, jax.random.key(5))
+    return [(tile_major_weights(w, *TILE_MAJOR_TILE), kernel_scales(s, fmt, N_WIDTH)) for w, s in ((w1, s1), (w3, s3))]
+
+
+def w13_rows(tokens: int, cfg: GroupedMatmulConfig):
+    """(plan, x_pk, routed rows): ``tokens`` x top-6 routed rows of E4M3-valued activations in tile order
+    for cfg (E4M3 rows where cfg takes them)."""
+    from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
+    from pallas_kernels.grouped_gemm.kernel import tile_rows
+
+    gid = routing(jax.random.key(tokens), tokens)
+    x = fp8_per_32(rows(jax.random.key(tokens + 1), tokens))
+    plan, x_pk = tile_rows(x, gid, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True,
+                           e4m3=uses_e4m3_rows(cfg, WeightFormat.FP4), rows_per_source=TOP_K)
+    return plan, x_pk, gid.shape[0]
+
+
 @section("w13", 30)
 def _():
     """An expert FFN's w1 and w3 (FP4, the engine's configs and tile-major layout) as one launch
     (``grouped_matmul_tiles(..., more=)``) against two launches on the same tile rows: kernel ms of
     each and whether the outputs are the same bits (they should be)."""
-    from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
-    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, tile_rows
-    from pallas_kernels.grouped_gemm.scales import kernel_scales
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles
 
-    fmt, out = WeightFormat.FP4, {}
-    w1, s1 = weights(fmt)
-    w3, s3 = make_weights(fmt, jax.random.key(5))
-    pairs = [(tile_major_weights(w, *TILE_MAJOR_TILE), kernel_scales(s, fmt, N_WIDTH)) for w, s in ((w1, s1), (w3, s3))]
+    out, pairs = {}, w13_pairs()
     iters = 1 if INTERPRET else 10
     for phase, tokens in zip(("decode", "decode", "prefill"), TOKENS[:3]):
         key = f"{phase}{tokens}"
@@ -830,10 +848,7 @@ def _():
             out[key] = "skipped (time)"
             continue
         cfg = engine_fp4_cfg(tokens, "e4m3" if phase == "decode" else "bf16")
-        gid = routing(jax.random.key(tokens), tokens)
-        x = fp8_per_32(rows(jax.random.key(tokens + 1), tokens))
-        plan, x_pk = tile_rows(x, gid, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True,
-                               e4m3=uses_e4m3_rows(cfg, fmt), rows_per_source=TOP_K)
+        plan, x_pk, _ = w13_rows(tokens, cfg)
         # (the weights are arguments: closed over, jit would embed their 4.8 GB as constants, which on the
         # H100 of 2026-12-07 did not finish lowering within the call's 150 s)
         run = lambda xp, w, s, more=(), cfg=cfg, plan=plan: grouped_matmul_tiles(  # noqa: E731
@@ -858,13 +873,9 @@ def _():
 def _():
     """w1/w3 + SwiGLU in one launch (``swiglu_tiles``) against w1/w3 in one launch + XLA's SwiGLU, at the
     prefill rows; both write h float32 in tile order."""
-    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, swiglu_tiles, tile_rows
-    from pallas_kernels.grouped_gemm.scales import kernel_scales
+    from pallas_kernels.grouped_gemm.kernel import grouped_matmul_tiles, swiglu_tiles
 
-    fmt, out, limit = WeightFormat.FP4, {}, 10.0
-    w1, s1 = weights(fmt)
-    w3, s3 = make_weights(fmt, jax.random.key(5))
-    pairs = [(tile_major_weights(w, *TILE_MAJOR_TILE), kernel_scales(s, fmt, N_WIDTH)) for w, s in ((w1, s1), (w3, s3))]
+    out, limit, pairs = {}, 10.0, w13_pairs()
     iters = 1 if INTERPRET else 10
     for tokens in TOKENS[2:]:
         key = f"prefill{tokens}"
@@ -872,21 +883,20 @@ def _():
             out[key] = "skipped (time)"
             continue
         cfg = engine_fp4_cfg(tokens, "bf16")
-        gid = routing(jax.random.key(tokens), tokens)
-        x = fp8_per_32(rows(jax.random.key(tokens + 1), tokens))
-        plan, x_pk = tile_rows(x, gid, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True, rows_per_source=TOP_K)
-        row_w = jnp.where(plan.row_src < gid.shape[0], jax.random.uniform(jax.random.key(9), plan.row_src.shape), 0.0)
+        plan, x_pk, routed = w13_rows(tokens, cfg)
+        row_w = jnp.where(plan.row_src < routed, jax.random.uniform(jax.random.key(9), plan.row_src.shape), 0.0)
 
-        def xla_tail(xp, p1, p3, rw, cfg=cfg, plan=plan):
-            y13 = grouped_matmul_tiles(plan, xp, *p1, config=cfg, scales_prepared=True, more=(p3,))
+        def w13(xp, p1, p3, cfg=cfg, plan=plan):
+            return grouped_matmul_tiles(plan, xp, *p1, config=cfg, scales_prepared=True, more=(p3,))
+
+        def xla_tail(xp, p1, p3, rw):
+            y13 = w13(xp, p1, p3)
             g, u = y13[:, :N_WIDTH], y13[:, N_WIDTH:]
             return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit) * rw[:, None]
 
         fused = jax.jit(lambda xp, p1, p3, rw, cfg=cfg, plan=plan: swiglu_tiles(
             plan, xp, *p1, *p3, rw, limit=limit, config=cfg, scales_prepared=True))
-        unfused = jax.jit(xla_tail)
-        w13_alone = jax.jit(lambda xp, p1, p3, cfg=cfg, plan=plan: grouped_matmul_tiles(
-            plan, xp, *p1, config=cfg, scales_prepared=True, more=(p3,)))
+        unfused, w13_alone = jax.jit(xla_tail), jax.jit(w13)
         used = np.repeat(np.asarray(plan.tile_group) >= 0, cfg.block_m)
         h_f, h_x = (np.asarray(f(x_pk, *pairs, row_w))[used] for f in (fused, unfused))
         rel = float(np.abs(h_f - h_x).max() / max(np.abs(h_x).max(), 1e-30))

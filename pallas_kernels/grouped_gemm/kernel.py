@@ -135,10 +135,11 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     n_pieces = 1 if swiglu is None else 2       # accumulators per consumer: its rows of each weight
     piece_rows = wg_rows // n_pieces
     feat = bn // n_pieces                       # rows of one weight per column block
-    if swiglu is not None and (n_weights != 2 or piece_rows % 64 or uses_e4m3_rows(cfg, fmt)
-                               or not writes_rows(cfg, out_dtype)):
-        raise ValueError(f"the swiglu epilogue needs two weights, float32 rows out, bf16 x rows and block_n / "
-                         f"consumers a multiple of 128; got {n_weights} weights, {cfg}")
+    if swiglu is not None:
+        why = swiglu_unsupported_reason(cfg, fmt)
+        if n_weights != 2 or jnp.dtype(out_dtype) != jnp.float32 or why is not None:
+            raise ValueError(f"the swiglu epilogue needs two weights, float32 out and a config that passes "
+                             f"swiglu_unsupported_reason; got {n_weights} weights, {jnp.dtype(out_dtype)}: {why}")
     n_steps = k // bk
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
@@ -250,39 +251,33 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
         def producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
+            def load_rows(w_ref, s_ref, grp, i, slot, tile, off, count, w_dst, s_dst):
+                """Step i's weight rows [off, off + count) of column tile ``tile`` (rows tile*block_n + off
+                on of one weight array) into w_dst, and their scales into s_dst."""
+                rows = pl.ds(tile * bn + off, count)
+                if not cfg.weights_tile_major:
+                    w_src = w_ref.at[grp, rows, pl.ds(i * bk_bytes, bk_bytes)]
+                elif steps_per_tile == 1:
+                    w_src = w_ref.at[grp, tile, i, pl.ds(off, count)]
+                else:      # this step's columns of the layout's wider tile
+                    w_src = w_ref.at[grp, tile, lax.div(i, steps_per_tile), pl.ds(off, count),
+                                     pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
+                plgpu.copy_gmem_to_smem(w_src, w_dst, full.at[slot])
+                if quant:
+                    plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), rows], s_dst,
+                                            full.at[slot])
+
             def load_weights(w_ref, s_ref, nt, grp, i, slot):
                 """Step i's weight tile (and scales) of column block nt of one weight array."""
-                n_rows = pl.ds(nt * bn, bn)
-                if not cfg.weights_tile_major:
-                    w_tile = w_ref.at[grp, n_rows, pl.ds(i * bk_bytes, bk_bytes)]
-                elif steps_per_tile == 1:
-                    w_tile = w_ref.at[grp, nt, i]
-                else:      # this step's columns of the layout's wider tile
-                    w_tile = w_ref.at[grp, nt, lax.div(i, steps_per_tile), :,
-                                      pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
-                plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], full.at[slot])
-                if quant:
-                    plgpu.copy_gmem_to_smem(s_ref.at[grp, pl.ds(i * n_blocks_k, n_blocks_k), n_rows],
-                                            s_smem.at[slot], full.at[slot])
+                load_rows(w_ref, s_ref, grp, i, slot, nt, 0, bn, w_smem.at[slot], s_smem.at[slot])
 
             def load_gate_up(nt, grp, i, slot):
                 """Step i's rows [nt*F, (nt+1)*F) of each weight (the swiglu epilogue's tile): gate's
                 into the slot's first F rows, up's into the next F; their scales [2, K step's blocks, F]."""
-                row0 = nt * feat
-                tile, off = lax.div(row0, bn), lax.rem(row0, bn)   # (tile-major: F divides block_n)
+                tile, off = lax.div(nt * feat, bn), lax.rem(nt * feat, bn)   # (F divides block_n)
                 for wi in range(2):
-                    if not cfg.weights_tile_major:
-                        w_part = w_refs[wi].at[grp, pl.ds(row0, feat), pl.ds(i * bk_bytes, bk_bytes)]
-                    elif steps_per_tile == 1:
-                        w_part = w_refs[wi].at[grp, tile, i, pl.ds(off, feat)]
-                    else:
-                        w_part = w_refs[wi].at[grp, tile, lax.div(i, steps_per_tile), pl.ds(off, feat),
-                                               pl.ds(lax.rem(i, steps_per_tile) * bk_bytes, bk_bytes)]
-                    plgpu.copy_gmem_to_smem(w_part, w_smem.at[slot, pl.ds(wi * feat, feat)], full.at[slot])
-                    if quant:
-                        plgpu.copy_gmem_to_smem(
-                            s_refs[wi].at[grp, pl.ds(i * n_blocks_k, n_blocks_k), pl.ds(row0, feat)],
-                            s_smem.at[slot, wi], full.at[slot])
+                    load_rows(w_refs[wi], s_refs[wi], grp, i, slot, tile, off, feat,
+                              w_smem.at[slot, pl.ds(wi * feat, feat)], s_smem.at[slot, wi])
 
             def load(k, nt, t, grp):
                 m_rows = pl.ds(t * bm, bm)
