@@ -912,6 +912,31 @@ def test_swiglu_epilogue_gives_the_w13_launch_rows_through_the_swiglu_in_gpu_int
         assert "E4M3" in swiglu_unsupported_reason(dataclasses.replace(base, fp4_operands="e4m3"), fmt)
 
 
+def test_swiglu_epilogue_row_is_batch_invariant_in_gpu_interpreter():
+    """A probe row's h from ``swiglu_tiles`` has the same bits alone, among other rows of other experts,
+    and among rows of its own expert (its tile and position in it change): bitwise, persistent launch."""
+    from pallas_kernels.grouped_gemm.kernel import swiglu_tiles, tile_rows
+
+    g, n, k = 3, 256, 256
+    w, s, x, _ = _routed_problem(41, WeightFormat.FP4, g, n, k, 1)
+    w3, s3, others, _ = _routed_problem(43, WeightFormat.FP4, g, n, k, 20)
+    cfg = dataclasses.replace(_TINY_CFG, block_n=256, persistent=True)
+    batches = {"alone": (x, [1]), "mixed": (jnp.concatenate([others[:9], x, others[9:]]), [0, 2] * 4 + [2, 1] + [0] * 11),
+               "same expert": (jnp.concatenate([others, x]), [1] * 21)}
+    got = {}
+    with _interpret():
+        for name, (xb, ids) in batches.items():
+            gid = jnp.asarray(ids, jnp.int32)
+            plan, x_pk = tile_rows(xb, gid, num_groups=g, block_m=16, fp4=True)
+            probe = ids.index(1) if name == "alone" else (9 if name == "mixed" else 20)
+            h = swiglu_tiles(plan, x_pk, w, s, w3, s3, jnp.ones(x_pk.shape[0], jnp.float32), limit=3.0, config=cfg)
+            got[name] = _bits(h)[int(plan.dest_m[probe])]
+    assert not races_found()
+    assert np.abs(got["alone"].view(np.float32)).max() > 0.1
+    for name in ("mixed", "same expert"):
+        assert np.array_equal(got[name], got["alone"]), name
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4], ids=lambda f: f.value)
 def test_swiglu_epilogue_lowers_for_hopper(fmt):
     """``swiglu_tiles`` in the GPU configuration (dequantized A in registers, both launches, the FP4
