@@ -140,8 +140,9 @@ def main(argv=None) -> int:
                     help="Numerics.attention_fp4_rows (the attention kernel's form for the FP4 compressed cache)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
-    ap.add_argument("--swiglu-epilogue", default="off", choices=("on", "off"),
-                    help="on: the routed experts' SwiGLU in the w1/w3 launch (Numerics.expert_swiglu_epilogue)")
+    ap.add_argument("--swiglu-epilogue", default="on", choices=("on", "off"),
+                    help="off: the routed experts' SwiGLU in XLA after the w1/w3 launch, not in its epilogue "
+                    "(Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--pdl", action="store_true",
                     help="Numerics.kernel_pdl: the Mosaic GPU kernels under programmatic dependent launch")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),

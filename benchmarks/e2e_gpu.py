@@ -934,8 +934,9 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk-tiles", action="store_true",
                     help="prefill-phase expert GEMMs (>= 96 rows an expert) on the chunk phase's 64-row tiles "
                     "(with_prefill_chunk_tiles: an A/B of the tile switch; the same bits)")
-    ap.add_argument("--swiglu-epilogue", default="off", choices=("on", "off"),
-                    help="on: the routed experts' SwiGLU in the w1/w3 launch (Numerics.expert_swiglu_epilogue)")
+    ap.add_argument("--swiglu-epilogue", default="on", choices=("on", "off"),
+                    help="off: the routed experts' SwiGLU in XLA after the w1/w3 launch, not in its epilogue "
+                    "(Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),

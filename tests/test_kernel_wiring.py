@@ -419,7 +419,7 @@ def test_w1_and_w3_in_one_launch_change_no_bits(tiny_cfg):
 
 @pytest.mark.timeout(300, method="thread")
 def test_swiglu_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg):
-    """``Numerics.expert_swiglu_epilogue`` (default off): where the swiglu runs on tile-order rows (few padding
+    """``Numerics.expert_swiglu_epilogue`` (default on): where the swiglu runs on tile-order rows (few padding
     rows) and the config has 128 weight rows a consumer (the 256-row tile-major layout), w1, w3 and the
     swiglu are one ``swiglu_tiles`` launch, with the bits of the w1/w3 launch and XLA's swiglu in the
     interpreter; mostly-padding calls (decode) keep the routed-row swiglu."""
@@ -431,7 +431,7 @@ def test_swiglu_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg):
     p = _moe_layer(rng, 256, 256, 4)
     experts = moe_module.prepare_experts_tile_major(moe_module.prepare_expert_scales(p))["experts"]
     nq = Numerics("bfloat16", False, False)
-    assert not nq.expert_swiglu_epilogue
+    assert nq.expert_swiglu_epilogue
     outs, calls = {}, {}
     for tokens in (64, 5):      # 128 routed rows in 11 tiles of 16 (1.4x), and 10 in 4 tiles (mostly padding)
         x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)

@@ -105,11 +105,15 @@ class Numerics:
     # and u stay in the kernel's registers instead of going through HBM as float32 [rows, 2 x 2304]. The
     # same g and u bits, and on the H100 the same h bits as XLA's SwiGLU. Needs expert_w13_launch's
     # conditions and a config with 128 weight rows a consumer (the prefill tiles); elsewhere the w13 launch
-    # and XLA's SwiGLU run. Off: on the H100 (2026-12-07) the gate/up half alone took 5.22 against 6.27 ms
-    # at 8192 x 6 and 17.14 against 18.30 at 32768 x 6 (``grouped_gemm_gpu.py --swiglu``), but the 4-layer
-    # 32k prefill at chunk 16384 took 0.384 s with it against 0.378 without (one run each, the epilogue's
-    # first; ``e2e_gpu.py --sections pswiglu`` runs the other setting): no end-to-end gain shown yet.
-    expert_swiglu_epilogue: bool = False
+    # and XLA's SwiGLU run. On the H100 (2026-12-07, session 32, with both pieces' wgmmas issued before one
+    # wait) the gate/up half took 4.97 against 6.04 ms at 8192 x 6 and 16.17 against 17.88 at 32768 x 6,
+    # about the w13 launch's own time (4.86 / 16.11; ``grouped_gemm_gpu.py --swiglu``). The 4-layer 32k
+    # prefill at chunk 16384, in both orders on one machine (``e2e_gpu.py --sections pswiglu``): 87,065
+    # against 86,804 tok/s with the epilogue first, 88,170 against 86,427 with it second (+1.2 % averaged
+    # over the orders): less than the kernel alone saves, likely because XLA, off, fuses its SwiGLU into the
+    # ops after it (untraced).
+    # False: the w13 launch and XLA's SwiGLU everywhere.
+    expert_swiglu_epilogue: bool = True
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel
