@@ -345,3 +345,31 @@ def test_select_on_the_live_width_is_the_full_width_bit_for_bit(select_min, monk
         want = np.asarray(full(jnp.asarray(scores)))
         assert np.array_equal(got, want), live
         assert np.array_equal(want, _oracle(scores, k)), live
+
+
+@pytest.mark.parametrize("k", [1, 5, 30, 48, 60])
+def test_top_mask_is_the_sorts_first_k_less_unreachable(k):
+    """``top_mask`` (the candidate pool's block mask) against the form it replaced: a stable descending
+    sort's first k, scattered into a mask where the value is above -inf; and against the oracle's picks.
+    Adversarial rows as above, plus +inf (the pinned newest block), jitted."""
+    from pallas_kernels.topk.select import top_mask
+
+    r = np.random.default_rng(12)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 1e-40, -1e-40, 3.4e38], np.float32)
+    rows = np.concatenate([r.standard_normal((8, 48)), r.integers(-2, 3, (8, 48)), r.choice(specials, (16, 48)),
+                           np.full((2, 48), -np.inf), np.full((2, 48), np.inf)]).astype(np.float32)
+    x = jnp.asarray(rows.reshape(4, 9, 48))
+
+    def sorted_form(s):
+        vals, idx = topk_xla.topk_desc(s, min(k, s.shape[-1]))
+        keep = jnp.zeros(s.shape, bool)
+        lead = jnp.indices(idx.shape[:-1], sparse=True)
+        return keep.at[(*[a[..., None] for a in lead], idx)].set(vals > -jnp.inf)
+
+    got = np.asarray(jax.jit(lambda s: top_mask(s, k))(x))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(sorted_form)(x)))
+    want = np.zeros(rows.shape, bool)
+    for i, picks in enumerate(_oracle(rows, min(k, 48))):
+        want[i, picks[picks >= 0]] = True
+    np.testing.assert_array_equal(got.reshape(rows.shape), want)
+    assert got.sum() > 0 and not got.all()

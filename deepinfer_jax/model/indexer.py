@@ -14,7 +14,7 @@ from pallas_kernels.indexer import (IndexScoresConfig, index_scores as index_sco
 from pallas_kernels.indexer.config import QUERY_ROWS
 from pallas_kernels.registry import AUTO, XLA
 from pallas_kernels.topk import topk_indices
-from pallas_kernels.topk.xla import topk_desc
+from pallas_kernels.topk.select import top_mask
 
 
 def index_keys(p: dict, latent_btd: jax.Array, key_pos_bt: jax.Array, inv_freq, *, eps: float,
@@ -72,9 +72,10 @@ def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: 
     newest = (pos_bt + 1) // ratio - 1
     pinned = (jnp.arange(nb)[None, None, :] == (newest // block)[..., None]) & (newest >= 0)[..., None]
     block_scores = jnp.where(pinned, jnp.inf, block_scores)
-    vals, idx = topk_desc(block_scores, min(n_blocks, nb))
-    keep = jnp.zeros((b, t, nb), bool)
-    keep = keep.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx].set(vals > -jnp.inf)
+    # The bisection's mask, not a sort: the same blocks as a stable descending sort's first n_blocks
+    # (less -inf), where the sort of [16384, 4098] block maxima and the scatter of its picks took 4.4 and
+    # 1.1 ms a chunk-16384 call on the H100 (session 32 prefill trace).
+    keep = top_mask(block_scores, min(n_blocks, nb))
     return jnp.repeat(keep, block, axis=-1)[..., :s]
 
 

@@ -63,13 +63,27 @@ def score_key(x: jax.Array) -> jax.Array:
 def select_rows(key_rs: jax.Array, k: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
     """uint32 [R, S] -> [R, k] int32: the columns of each row's k largest keys above order_key(-inf)
     (lower column first among equals), ascending, then -1."""
+    return true_columns(selected_keys(key_rs, k, bits_per_pass), k)
+
+
+def selected_keys(key_rs: jax.Array, k: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
+    """uint32 [R, S] -> bool [R, S]: ``select_rows``'s picks as a mask (each row's k largest keys above
+    order_key(-inf), lower column first among equals)."""
     need = jnp.int32(k)
     t = least_key_below(key_rs, need, bits_per_pass)[:, None]   # the k-th largest key
     above = key_rs > t
     tie = key_rs == t
     room = need - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-    keep = (key_rs > _NEG_INF_KEY) & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
-    return true_columns(keep, k)
+    return (key_rs > _NEG_INF_KEY) & (above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= room)))
+
+
+def top_mask(scores: jax.Array, k: int, bits_per_pass: int = BITS_PER_PASS) -> jax.Array:
+    """float [..., S] -> bool [..., S]: the k largest scores above -inf of each row (lower index first
+    among equals, -0.0 equal to +0.0, NaN never): the set a stable descending sort's first k give, less
+    its -inf and NaN entries, without the sort or a scatter of its indices."""
+    *lead, s = scores.shape
+    keys = score_key(scores.astype(jnp.float32).reshape(-1, s))
+    return selected_keys(keys, min(k, s), bits_per_pass).reshape(*lead, s)
 
 
 def prefilter_capacity(k: int, s: int, block: int = PREFILTER_BLOCK) -> int:
