@@ -51,6 +51,10 @@ Sections:
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
   compiled programs are cleared before and after, so each form compiles its own).
+* pcandsort: the prefill of the last --prompts length at the first --chunk, replay off, with the
+  candidate pool's block mask built by a stable sort and a scatter of its picks (``sorted_top_mask``,
+  the form before session 32) instead of the bisection's mask: the A/B against the prefill section's
+  replay-off row, in the same process (the same blocks, so the same bits).
 * pswiglu: the prefill of the last --prompts length at the first --chunk, replay off, with the other
   setting of ``Numerics.expert_swiglu_epilogue`` (the routed experts' SwiGLU in the w1/w3 launch's
   epilogue, or in XLA after it; ``--swiglu-epilogue`` sets the run's own): the A/B against the prefill
@@ -88,6 +92,7 @@ hit"; time true compiles with ``--compile-cache none``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -872,6 +877,33 @@ def without_topk_prefilter() -> None:
     select.prefilter_capacity = lambda *a, **kw: 0
 
 
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """``module.name`` set to ``value`` for the block, with the engine's compiled programs cleared before
+    and after, so the block's sections compile their own (a benchmark-only A/B of a model function)."""
+    from deepinfer_jax.engine import scheduler as scheduler_module
+
+    before = getattr(module, name)
+    scheduler_module._compiled_steps.cache_clear()
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+        scheduler_module._compiled_steps.cache_clear()
+
+
+def sorted_top_mask(scores: jax.Array, k: int) -> jax.Array:
+    """``topk.select.top_mask``'s set the way ``indexer.candidate_mask`` built it before session 32: a
+    stable descending sort's first k, scattered into a mask where above -inf (the same blocks; the
+    ``pcandsort`` section's A/B)."""
+    from pallas_kernels.topk.xla import topk_desc
+
+    vals, idx = topk_desc(scores, min(k, scores.shape[-1]))
+    lead = jnp.indices(idx.shape[:-1], sparse=True)
+    return jnp.zeros(scores.shape, bool).at[(*[a[..., None] for a in lead], idx)].set(vals > -jnp.inf)
+
+
 def with_decode_block_m(block_m: int) -> None:
     """The decode-phase expert GEMMs (``tile_phase`` "decode": up to 12 rows per expert) with ``block_m``
     token rows per tile instead of the tuned table's (8 below 2 rows per expert, else 16): a
@@ -892,7 +924,8 @@ def with_decode_block_m(block_m: int) -> None:
 
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
-SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pswiglu", "nographs",
+SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
+            "pswiglu", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -1121,18 +1154,17 @@ def main(argv=None):
             section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),
                     prompts[-1:], args.chunk, (False,), label)
     if "ptopk" in want:   # A/B of the indexer's candidate list against the prefill section's rows
-        from deepinfer_jax.engine import scheduler as scheduler_module
         from pallas_kernels.topk import select as topk_select
 
-        capacity = topk_select.prefilter_capacity
-        scheduler_module._compiled_steps.cache_clear()
-        without_topk_prefilter()
-        try:
+        with patched(topk_select, "prefilter_capacity", lambda *a, **kw: 0):
             section("prefill-topk-rows", run_prefill, out, m, numerics, prompts[-1:], chunks[0], (False,),
                     "topk-rows")
-        finally:
-            topk_select.prefilter_capacity = capacity
-            scheduler_module._compiled_steps.cache_clear()
+    if "pcandsort" in want:   # A/B of the candidate pool's bisection mask against the prefill section's rows
+        from deepinfer_jax.model import indexer as indexer_module
+
+        with patched(indexer_module, "top_mask", sorted_top_mask):
+            section("prefill-candidate-sort", run_prefill, out, m, numerics, prompts[-1:], chunks[0], (False,),
+                    "candidate-sort")
     if "pswiglu" in want:   # A/B of the SwiGLU epilogue against the prefill section's rows
         other = not numerics.expert_swiglu_epilogue
         label = "swiglu-epilogue" if other else "swiglu-xla"

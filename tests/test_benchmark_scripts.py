@@ -88,6 +88,28 @@ def test_bf16_out_dot_script_checks_bits_on_the_cpu(tmp_path):
     assert all(r["values_differ"] == 0 for r in rows), rows
 
 
+def test_pcandsort_sort_form_is_the_bisection_mask(monkeypatch):
+    """e2e_gpu's ``pcandsort`` A/B swaps the candidate pool's bisection mask for the sort form it
+    replaced (``sorted_top_mask``); both must give the same blocks, or the A/B times two models."""
+    import numpy as np
+    import jax.numpy as jnp
+
+    from pallas_kernels.topk.select import top_mask
+
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import e2e_gpu
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (2, 5, 40)).astype(np.float32)
+    x[rng.random(x.shape) < 0.2] = -np.inf
+    x[rng.random(x.shape) < 0.1] = -0.0
+    x[:, :, 7] = np.inf
+    for k in (1, 6, 40, 50):
+        got = np.asarray(e2e_gpu.sorted_top_mask(jnp.asarray(x), k))
+        assert np.array_equal(got, np.asarray(top_mask(jnp.asarray(x), k))), k
+        assert got.any()
+
+
 def test_e2e_script_refuses_an_unknown_section(capsys, monkeypatch):
     """A misspelt --sections name stops the run with the known names, instead of running nothing."""
     monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
