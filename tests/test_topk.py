@@ -373,3 +373,25 @@ def test_top_mask_is_the_sorts_first_k_less_unreachable(k):
         want[i, picks[picks >= 0]] = True
     np.testing.assert_array_equal(got.reshape(rows.shape), want)
     assert got.sum() > 0 and not got.all()
+
+
+@pytest.mark.parametrize("k", [1, 2, 6, 8])
+def test_topk_desc_rows_by_passes_is_the_stable_sort(k):
+    """The router's top-k (``topk_desc_rows``): from PASSES_MIN_ROWS rows it takes k argmax passes on
+    order keys instead of the sort; the same indices and values as ``topk_desc`` on tie-heavy rows
+    (+-0, +-inf, NaN, subnormals, whole rows of one value, rows with fewer than k finite entries)."""
+    r = np.random.default_rng(20 + k)
+    n = topk_xla.PASSES_MIN_ROWS
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 1e-40, -1e-40, 3.4e38], np.float32)
+    rows = np.concatenate([r.standard_normal((n // 2, 24)), r.integers(-2, 3, (n // 4, 24)),
+                           r.choice(specials, (n // 4 - 3, 24)), np.full((1, 24), np.nan),
+                           np.full((1, 24), -np.inf), np.full((1, 24), 7.0)]).astype(np.float32)
+    rows[-4, :20] = np.nan                     # fewer than k reachable entries
+    x = jnp.asarray(rows.reshape(2, n // 2, 24))
+    got_v, got_i = jax.jit(lambda s: topk_xla.topk_desc_rows(s, k))(x)
+    want_v, want_i = jax.jit(lambda s: topk_xla.topk_desc(s, k))(x)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32))
+    small = x[:1, :8]                          # below PASSES_MIN_ROWS: the sort itself
+    np.testing.assert_array_equal(np.asarray(topk_xla.topk_desc_rows(small, k)[1]),
+                                  np.asarray(topk_xla.topk_desc(small, k)[1]))

@@ -14,7 +14,7 @@ from deepinfer_jax.model.hash_routing import hash_route
 from deepinfer_jax.model.linear import (act_quant, act_quant_rows, dense, dequant_fp4, dot_f32, quant_linear,
                                          quant_linear_pair)
 from deepinfer_jax.model.numerics import Numerics, kernel_route
-from pallas_kernels.topk.xla import topk_desc
+from pallas_kernels.topk.xla import topk_desc_rows
 
 
 def torch_softplus(x: jax.Array) -> jax.Array:
@@ -26,7 +26,7 @@ def route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, top_k: int) -> tuple[
     """-> (expert ids [M, k] in descending biased score, routing weights [M, k] fp32)."""
     logits = dot_f32(x_md, p_gate["weight"])   # fp32 logits (bf16 operands: exact products)
     scores = jnp.sqrt(torch_softplus(logits))
-    _, ids = topk_desc(scores + p_gate["bias"].astype(jnp.float32), top_k)
+    _, ids = topk_desc_rows(scores + p_gate["bias"].astype(jnp.float32), top_k)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
