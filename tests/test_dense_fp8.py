@@ -288,3 +288,28 @@ def test_bf16_output_dense_is_one_dot_with_the_f32_forms_bits_on_the_cpu():
     # f32 results and f32 weights keep the f32 dot
     x32 = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     assert dense(x32, x32[:8], on).dtype == jnp.float32
+
+
+def test_grouped_bf16_output_dense_is_one_dot_with_the_f32_forms_bits_on_the_cpu():
+    """Attention's grouped wo_a (``linear.grouped_dense``) follows ``Numerics.dense_bf16_out`` as ``dense``
+    does: on, one dot asking for bf16; off (the CPU default), an f32 dot and a convert; the same bits on
+    the CPU at a decode and a prefill-like row count (the GPU's check: bf16_out_dot_gpu.py's wo_a rows)."""
+    from deepinfer_jax.model.linear import grouped_dense
+
+    on = dataclasses.replace(Numerics.reference(), dense_bf16_out=True)
+    off = dataclasses.replace(Numerics.reference(), dense_bf16_out=False)
+    rng = np.random.default_rng(4)
+    for b, t, g, r, i in ((2, 1, 4, 32, 128), (1, 200, 2, 64, 256)):
+        x = jnp.asarray(rng.standard_normal((b, t, g, i)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((g, r, i)) / np.sqrt(i), jnp.bfloat16)
+        eqns = {name: jax.make_jaxpr(lambda a, c, nq=nq: grouped_dense(a, c, nq, jnp.bfloat16))(x, w).eqns
+                for name, nq in (("on", on), ("off", off))}
+        # (einsum puts the group batch dimension first, then transposes it back)
+        assert [e.primitive.name for e in eqns["on"]] == ["dot_general", "transpose"]
+        assert eqns["on"][0].params["preferred_element_type"] == jnp.bfloat16
+        assert [e.primitive.name for e in eqns["off"]][-1] == "convert_element_type"
+        got, want = (np.asarray(jax.jit(lambda a, c, nq=nq: grouped_dense(a, c, nq, jnp.bfloat16))(x, w))
+                     for nq in (on, off))
+        assert got.shape == (b, t, g, r) and np.array_equal(got.view(np.uint16), want.view(np.uint16)), (b, t)
+    x32 = jnp.asarray(rng.standard_normal((1, 2, 2, 16)), jnp.float32)
+    assert grouped_dense(x32, x32[0, :, :, :].transpose(1, 0, 2)[:, :3], on, jnp.float32).dtype == jnp.float32

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, LayerPlan, ModelConfig
 from deepinfer_jax.model import attention_v4, compressor, dense_fp8, indexer, kv_codec
-from deepinfer_jax.model.linear import quant_linear, weight_of
+from deepinfer_jax.model.linear import grouped_dense, quant_linear, weight_of
 from deepinfer_jax.model.norms import rms_norm
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_e4m3, fake_quant_fp8, kernel_route
 from deepinfer_jax.model.rope import apply_rope, rope_inv_freq
@@ -258,7 +258,7 @@ def attention(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, pos_
                                     numerics.kernel_pdl).reshape(b, t, g, -1)
     else:
         wo_a = weight_of(p["wo_a"], dt).reshape(g, cfg.o_lora_rank, cfg.heads_per_group * hd)
-        z = jnp.einsum("btgi,gri->btgr", o_g, wo_a, precision=numerics.precision, preferred_element_type=jnp.float32)
+        z = grouped_dense(o_g, wo_a, numerics, dt)
     z = z.astype(dt)
     out = quant_linear(z.reshape(b, t, g * cfg.o_lora_rank), p["wo_b"], numerics, act_block=ab)
     return out, new_win, source_caches

@@ -70,6 +70,19 @@ def dense(x: jax.Array, w_oi: jax.Array, numerics: Numerics, out_dtype=None) -> 
     return y if out_dtype is None else y.astype(out_dtype)
 
 
+def grouped_dense(x_btgi: jax.Array, w_gri: jax.Array, numerics: Numerics, out_dtype) -> jax.Array:
+    """z[b, t, g] = x[b, t, g] @ w[g]^T per group (attention's wo_a over its o_groups) with fp32
+    accumulation, rounded to ``out_dtype``: as ``dense``, one bf16-output dot where
+    ``Numerics.bf16_out_dense`` holds for bf16 operands (on the H100, benchmarks/bf16_out_dot_gpu.py's
+    wo_a rows: the f32 dot + convert's bits at 64 and 8,192 rows, 0.66 against 0.81 ms at 8,192), else
+    an f32 dot and a convert."""
+    bf16 = (jnp.dtype(out_dtype) == jnp.bfloat16 and x_btgi.dtype == jnp.bfloat16 and w_gri.dtype == jnp.bfloat16
+            and numerics.bf16_out_dense())
+    z = jnp.einsum("btgi,gri->btgr", x_btgi, w_gri, precision=numerics.precision,
+                   preferred_element_type=jnp.bfloat16 if bf16 else jnp.float32)
+    return z.astype(out_dtype)
+
+
 def weight_of(p: dict, dtype=jnp.float32) -> jax.Array:
     """The dequantized weight of a linear's param dict (FP8 + scale, packed FP4 + scale, plain, or held
     for the dense kernel: ``dense_fp8.prepare_dense_fp8``)."""
