@@ -31,13 +31,14 @@ def tiled(swizzle_bytes: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_bytes // itemsize)), plgpu.SwizzleTransform(swizzle_bytes))
 
 
-def ref_type(*, write: bool) -> plgpu.RefType:
+def ref_type(*, write: bool, transforms: tuple = ()) -> plgpu.RefType:
     """An ``inline_mgpu`` reference argument the inline code reads, and writes only if ``write``. jax
     0.12.1 checks a kernel's writes to its inputs and takes a ``RefType`` as written unless told not
-    to; earlier versions have no such fields and no such check, so there the plain form is right."""
+    to; earlier versions have no such fields and no such check, so there the plain form is right.
+    transforms: the shared-memory buffer's (``tiled``), which the inline code then sees laid out."""
     if "write" in {f.name for f in dataclasses.fields(plgpu.RefType)}:
-        return plgpu.RefType(write=write)
-    return plgpu.RefType()
+        return plgpu.RefType(transforms=transforms, write=write)
+    return plgpu.RefType(transforms=transforms)
 
 
 # setmaxnreg shares out registers the CTA got at launch; it cannot take more. ptxas sizes the launch

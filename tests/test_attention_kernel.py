@@ -397,3 +397,42 @@ def test_fp4_dispatcher_and_column_order():
     args = (q, win, jnp.asarray(widx), comp["values"], comp["scale"], jnp.asarray(cidx), sink, 0.125)
     assert np.array_equal(_bits(sparse_sink_attention_fp4(*args)), _bits(sparse_sink_attention_fp4_xla(*args)))
     assert sparse_sink_attention_fp4(*args, impl="reference").dtype == jnp.float32
+
+
+@pytest.mark.parametrize("swizzle", [32, 64, 128])
+def test_swizzled_offset_is_the_cutlass_swizzle_of_the_tiled_layout(swizzle):
+    """``cp_async.swizzled_offset`` (where ``gather_rows(..., swizzle=)`` puts a row's 16-byte pieces) against
+    an independent form: Mosaic's tiled layout (8-row tiles ``swizzle`` bytes wide, tile-row-major) with
+    CUTLASS's Swizzle<B, 4, 3> on each tile's byte offsets (bits [7, 7 + B) XORed into [4, 4 + B)), and
+    a bijection onto the buffer's pieces. The GPU check is benchmarks/attention_swizzle_probe.py."""
+    from pallas_kernels.attention.cp_async import swizzled_offset
+
+    row_bytes, rows = 1024, 24
+    b_bits = {32: 1, 64: 2, 128: 3}[swizzle]
+    mask = ((1 << b_bits) - 1) << 4
+    seen = set()
+    for r in range(rows):
+        for piece in range(row_bytes // 16):
+            col_byte = piece * 16
+            tile = (r // 8) * (row_bytes // swizzle) + col_byte // swizzle
+            o = (r % 8) * swizzle + col_byte % swizzle            # unswizzled, within the 8 x swizzle tile
+            want = tile * 8 * swizzle + (o ^ ((o >> 3) & mask))
+            got = swizzled_offset(r, piece, row_bytes=row_bytes, swizzle=swizzle)
+            assert got == want, (r, piece)
+            seen.add(got)
+    assert sorted(seen) == list(range(0, rows * row_bytes, 16))
+
+
+def test_swizzle_probe_kernel_lowers_for_cuda():
+    """benchmarks/attention_swizzle_probe.py's kernel (cp.async rows into swizzled tiles beside the
+    TMA-landed form) cross-lowers for CUDA at both swizzles: the CPU's check of code only a GPU runs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention_swizzle_probe as probe
+
+    for swizzle in (64, 128):
+        fn = jax.jit(probe.build(swizzle))
+        args = (jax.ShapeDtypeStruct((4096, probe.D), jnp.bfloat16), jax.ShapeDtypeStruct((probe.ROWS,), jnp.int32))
+        assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
