@@ -868,13 +868,19 @@ def with_prefill_chunk_tiles() -> None:
     moe._tile_config = patched
 
 
+def no_prefilter_capacity(*args, **kwargs) -> int:
+    """``topk.select.prefilter_capacity`` that gives no row a candidate list: the bisection top-k on
+    whole rows (``without_topk_prefilter``, the ``ptopk`` section)."""
+    return 0
+
+
 def without_topk_prefilter() -> None:
     """The indexer's bisection top-k on whole rows, without its block-maximum candidate list
     (``pallas_kernels.topk.select.select_on_candidates``): a benchmark-only A/B of the list, which picks
     the same entries, bit for bit."""
     from pallas_kernels.topk import select
 
-    select.prefilter_capacity = lambda *a, **kw: 0
+    select.prefilter_capacity = no_prefilter_capacity
 
 
 @contextlib.contextmanager
@@ -1156,7 +1162,7 @@ def main(argv=None):
     if "ptopk" in want:   # A/B of the indexer's candidate list against the prefill section's rows
         from pallas_kernels.topk import select as topk_select
 
-        with patched(topk_select, "prefilter_capacity", lambda *a, **kw: 0):
+        with patched(topk_select, "prefilter_capacity", no_prefilter_capacity):
             section("prefill-topk-rows", run_prefill, out, m, numerics, prompts[-1:], chunks[0], (False,),
                     "topk-rows")
     if "pcandsort" in want:   # A/B of the candidate pool's bisection mask against the prefill section's rows

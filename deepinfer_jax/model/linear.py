@@ -58,11 +58,17 @@ def dot_f32(x: jax.Array, w_oi: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def _bf16_out_dot(x: jax.Array, w: jax.Array, numerics: Numerics, out_dtype) -> bool:
+    """Whether a dense dot asks the GEMM for bf16 (f32 accumulation, one rounding at its end): bf16
+    operands to a bf16 out_dtype, where ``Numerics.bf16_out_dense``."""
+    return (out_dtype is not None and jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.bfloat16
+            and w.dtype == jnp.bfloat16 and numerics.bf16_out_dense())
+
+
 def dense(x: jax.Array, w_oi: jax.Array, numerics: Numerics, out_dtype=None) -> jax.Array:
     """x[..., in] @ w[out, in]^T with fp32 accumulation (bf16 operands to a bf16 out_dtype: the GEMM
     rounds its f32 sums once, where ``Numerics.bf16_out_dense``; else an f32 dot and a convert)."""
-    if (out_dtype is not None and jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.bfloat16
-            and w_oi.dtype == jnp.bfloat16 and numerics.bf16_out_dense()):
+    if _bf16_out_dot(x, w_oi, numerics, out_dtype):
         return jnp.einsum("...i,oi->...o", x, w_oi, precision=numerics.precision,
                           preferred_element_type=jnp.bfloat16)
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32) if w_oi.dtype == jnp.float32 else x, w_oi,
@@ -76,8 +82,7 @@ def grouped_dense(x_btgi: jax.Array, w_gri: jax.Array, numerics: Numerics, out_d
     ``Numerics.bf16_out_dense`` holds for bf16 operands (on the H100, benchmarks/bf16_out_dot_gpu.py's
     wo_a rows: the f32 dot + convert's bits at 64 and 8,192 rows, 0.66 against 0.81 ms at 8,192), else
     an f32 dot and a convert."""
-    bf16 = (jnp.dtype(out_dtype) == jnp.bfloat16 and x_btgi.dtype == jnp.bfloat16 and w_gri.dtype == jnp.bfloat16
-            and numerics.bf16_out_dense())
+    bf16 = _bf16_out_dot(x_btgi, w_gri, numerics, out_dtype)
     z = jnp.einsum("btgi,gri->btgr", x_btgi, w_gri, precision=numerics.precision,
                    preferred_element_type=jnp.bfloat16 if bf16 else jnp.float32)
     return z.astype(out_dtype)
