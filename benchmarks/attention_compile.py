@@ -3,6 +3,7 @@
     MOSAIC_GPU_DUMP_PTXAS=1 ../aotenv/bin/python benchmarks/attention_compile.py --split-rows 640
     MOSAIC_GPU_DUMP_TO=/tmp/ptx MOSAIC_GPU_DUMP_PTX=1 ../aotenv/bin/python benchmarks/attention_compile.py
     MOSAIC_GPU_DUMP_PTXAS=1 ../aotenv/bin/python benchmarks/attention_compile.py --swizzle-probe
+    MOSAIC_GPU_DUMP_PTXAS=1 ../aotenv/bin/python benchmarks/attention_compile.py --schedule seesaw --pv-in-place
 
 Needs a jax with CUDA (the ../aotenv of benchmarks/NOTES.md). The kernel runs at a 1,024-query prefill
 over the V4.1 shape (64 heads, D = 512, 640 selected rows a query); ptxas prints registers and spills,
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split-rows", type=int, default=640)
     ap.add_argument("--queries", type=int, default=1024)
+    ap.add_argument("--schedule", default="halves", help="SparseAttentionConfig.schedule")
+    ap.add_argument("--pv-in-place", action="store_true", help="SparseAttentionConfig(pv_cols=256, pv_in_place=True)")
     ap.add_argument("--swizzle-probe", action="store_true",
                     help="compile benchmarks/attention_swizzle_probe.py's kernel (both swizzles) instead")
     args = ap.parse_args(argv)
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
     from pallas_kernels.attention import SparseAttentionConfig
     from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
 
-    cfg = SparseAttentionConfig(args.split_rows)
+    cfg = SparseAttentionConfig(args.split_rows, schedule=args.schedule,
+                                **(dict(pv_cols=256, pv_in_place=True) if args.pv_in_place else {}))
     q = spec((1, args.queries, 64, 512), jnp.bfloat16)
     kv, idx, sink = spec((1, 8320, 512), jnp.bfloat16), spec((1, args.queries, 640), jnp.int32), spec((64,), jnp.float32)
     jax.jit(lambda *a: sparse_sink_attention_pallas(*a, 512 ** -0.5, cfg)).trace(q, kv, idx, sink).lower().compile()

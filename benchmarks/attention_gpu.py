@@ -124,7 +124,13 @@ CONFIGS = {"kernel/split640": SparseAttentionConfig(640), "kernel/split320": Spa
            "kernel/split640/pv64": SparseAttentionConfig(640, pv_cols=64),
            "kernel/split320/acc": SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
            "kernel/split640/acc": SparseAttentionConfig(640, pv_cols=256, pv_in_place=True),
-           "kernel/split320/acc128": SparseAttentionConfig(320, pv_cols=128, pv_in_place=True)}
+           "kernel/split320/acc128": SparseAttentionConfig(320, pv_cols=128, pv_in_place=True),
+           # the seesaw schedule (seesaw.py): /ss rows by cp.async straight into the wgmma tiles, /ssg rows
+           # gathered by XLA first and copied by TMA (the placement's check), /ssacc p.kv in place
+           **{f"kernel/split{r}/ss": SparseAttentionConfig(r, schedule="seesaw") for r in (640, 384, 256, 128)},
+           **{f"kernel/split{r}/ssg": SparseAttentionConfig(r, schedule="seesaw_gathered") for r in (640, 256)},
+           **{f"kernel/split{r}/ssacc": SparseAttentionConfig(r, schedule="seesaw", pv_cols=256, pv_in_place=True)
+              for r in (640, 384, 256, 128)}}
 
 
 def guarded(section_name, impl_name, fn, *args):
@@ -179,8 +185,15 @@ def correctness(names):
     sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
     ref = np.asarray(sparse_sink_attention_reference(q, kv, idx, sink, SCALE))
     scale = np.abs(ref).max()
-    for name, fn in impls(names).items():
-        guarded("correctness", name, check_one, name, fn, q, kv, idx, sink, ref, scale)
+    outs = {name: guarded("correctness", name, check_one, name, fn, q, kv, idx, sink, ref, scale)
+            for name, fn in impls(names).items()}
+    # The seesaw schedule's two row paths feed the same consumers: the same bits, or cp.async misplaced rows.
+    for name, got in outs.items():
+        other = outs.get(name + "g") if name.endswith("/ss") else None
+        if got is not None and other is not None:
+            same = bool(np.array_equal(got.view(np.uint32), other.view(np.uint32)))
+            RESULTS["correctness"][name]["bitwise_equals_gathered"] = same
+            log(f"{name:18s} bitwise equal to {name}g (rows gathered by XLA, copied by TMA): {same}")
 
 
 def check_one(name, fn, q, kv, idx, sink, ref, scale):
@@ -194,6 +207,7 @@ def check_one(name, fn, q, kv, idx, sink, ref, scale):
                                                            ref_max=float(scale), zero_row=zero_row, finite=finite)
         log(f"{name:18s} max|err| {err:.3e} (ref max {scale:.3f})  rel L2 {rel:.2e}  all-invalid row == 0: "
             f"{zero_row}  finite: {finite}")
+        return got
 
 
 @section("batch invariance")
@@ -432,7 +446,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="copy,correct,invariance,topk,decode,prefill")
     ap.add_argument("--impls", default="xla,kernel/split640,kernel/split320,kernel/split128",
-                    help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2|/w|/c]")
+                    help="comma-separated; kernel configs are kernel/split{640,320,128}[/p2|/w|/c] and the "
+                         "seesaw schedule's kernel/split{640,384,256,128}/ss[acc] and kernel/split{640,256}/ssg")
     # Each FP4 kernel shape compiles in ~15-30 s on the H200; the default pair keeps the section near 4 minutes.
     ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split320/bits,bf16-decoded/kernel")
     ap.add_argument("--fp4-contexts", default="8192,32768,131072")

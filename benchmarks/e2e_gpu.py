@@ -45,8 +45,9 @@ Sections:
   variant, each the defaults with one thing set back to its form before 2026-12-06: ``fp4-rows-split320``
   (the attention kernel's FP4 variant with two splits a query, ``Numerics.attention_fp4_rows="always"``,
   ``attention_prefill_split_rows=0``), ``fp4-rows`` or ``split320`` (one of the two), ``f32-dense`` (the
-  dense linears as a float32 dot + convert, ``dense_bf16_out=False``): to compare with the prefill
-  section's replay-off row on the same machine.
+  dense linears as a float32 dot + convert, ``dense_bf16_out=False``), or ``seesaw`` (the other way:
+  the attention kernel's seesaw schedule in prefill, ``Numerics.attention_schedule="seesaw-prefill"``):
+  to compare with the prefill section's replay-off row on the same machine.
 * ptopk: the prefill of the last --prompts length at the first --chunk, replay off, with the indexer's
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
@@ -1154,7 +1155,8 @@ def main(argv=None):
         variants = {"fp4-rows-split320": dict(attention_fp4_rows="always", attention_prefill_split_rows=0),
                     "fp4-rows": dict(attention_fp4_rows="always"),
                     "split320": dict(attention_prefill_split_rows=0),
-                    "f32-dense": dict(dense_bf16_out=False)}
+                    "f32-dense": dict(dense_bf16_out=False),
+                    "seesaw": dict(attention_schedule="seesaw-prefill")}
         for label in args.pattn.split(","):
             change = variants[label]
             section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention import (SparseAttentionConfig, kernel_unsupported_reason,
                                       sparse_sink_attention_reference, sparse_sink_attention_xla)
-from pallas_kernels.attention.config import smem_bytes
+from pallas_kernels.attention.config import seesaw_smem_bytes, smem_bytes
 from pallas_kernels.interpret import gpu_interpreter, races_found
 
 
@@ -126,6 +126,17 @@ def test_config_validation_and_shape_limits():
     assert "multiple of 128" in kernel_unsupported_reason(4, 64, cfg)
     # V4.1 decode fits in shared memory with room for the barriers.
     assert smem_bytes(512, 640) < 227 * 1024
+    with pytest.raises(ValueError, match="schedule"):
+        SparseAttentionConfig(schedule="pingpong")
+    with pytest.raises(ValueError, match="pairs"):
+        SparseAttentionConfig(split_rows=320, schedule="seesaw")     # 5 blocks
+    seesaw = SparseAttentionConfig(split_rows=640, schedule="seesaw")
+    assert kernel_unsupported_reason(64, 512, seesaw) is None
+    assert "halves" in kernel_unsupported_reason(64, 512, seesaw, fp4=True)
+    assert "profiler" in kernel_unsupported_reason(64, 512, SparseAttentionConfig(
+        640, schedule="seesaw", profile_dir="/tmp", profile_ranges=64))
+    # q, two 64-row blocks in wgmma tiles and two p tiles: 208 KB at D = 512, plus the indices
+    assert seesaw_smem_bytes(512, 640) == 64 * 1024 + 128 * 1024 + 16 * 1024 + 1024 + 640 * 4
 
 
 # ---- the Mosaic GPU kernel, run by the Mosaic GPU interpreter on the CPU -------------------------
@@ -140,15 +151,21 @@ def _interpret():
 def test_kernel_in_gpu_interpreter_matches_reference(split_rows, row_issue):
     """split 128: one split (sink in the kernel); 64: two splits + merge; row_issue: who issues the
     row copies (the barrier counts differ per mode, so a wrong count hangs or races here)."""
+    _check_kernel_in_interpreter(SparseAttentionConfig(split_rows=split_rows, row_issue=row_issue), 5, 100)
+
+
+def _check_kernel_in_interpreter(cfg, seed, k):
+    """The kernel under ``cfg`` in the interpreter against the float64 oracle and the XLA path, on
+    4 heads (run padded to 64), K = k entries (padded to the split) with skips, a whole 64-row block of
+    them, duplicates and a query with no valid entry."""
     from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
 
-    rng = np.random.default_rng(5)
-    b, t, h, d, s, k = 2, 2, 4, 128, 90, 100     # 4 heads run padded to 64; K=100 pads to the split
+    rng = np.random.default_rng(seed)
+    b, t, h, d, s = 2, 2, 4, 128, 90
     q, kv, idx, sink = _inputs(rng, b, t, h, d, s, k)
     idx[0, 1, :] = -1                              # no valid entry -> 0
     idx[1, 0, :64] = -1                            # a whole 64-row block of skips
     idx[1, 1, :10] = idx[1, 1, 10]                 # duplicates
-    cfg = SparseAttentionConfig(split_rows=split_rows, row_issue=row_issue)
     with _interpret():
         got = jax.block_until_ready(sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, d ** -0.5, cfg))
     assert not races_found()
@@ -162,16 +179,19 @@ def test_kernel_in_gpu_interpreter_matches_reference(split_rows, row_issue):
                                atol=_fast_tol(kv) / 2, rtol=0)
 
 
+def _probe_third_of_three(rng, k, h=4, d=128, s=70):
+    """A one-query case (q, kv, idx, sink) and a batch of three random queries whose third is that
+    query (its q, cache and indices; the sink is the batch's)."""
+    probe = _inputs(rng, 1, 1, h, d, s, k)
+    q, kv, idx, sink = _inputs(rng, 3, 1, h, d, s, k)
+    idx[2] = probe[2][0]
+    return probe, (q.at[2].set(probe[0][0]), kv.at[2].set(probe[1][0]), idx, sink)
+
+
 def test_kernel_in_gpu_interpreter_is_batch_invariant():
     from pallas_kernels.attention.kernel import sparse_sink_attention_pallas
 
-    rng = np.random.default_rng(6)
-    h, d, s, k = 4, 128, 70, 64
-    probe = _inputs(rng, 1, 1, h, d, s, k)
-    q, kv, idx, sink = _inputs(rng, 3, 1, h, d, s, k)
-    q = q.at[2].set(probe[0][0])
-    kv = kv.at[2].set(probe[1][0])
-    idx[2] = probe[2][0]
+    probe, (q, kv, idx, sink) = _probe_third_of_three(np.random.default_rng(6), 64)
     cfg = SparseAttentionConfig(split_rows=64)
     with _interpret():
         alone = sparse_sink_attention_pallas(probe[0], probe[1], jnp.asarray(probe[2]), sink, 0.1, cfg)
@@ -212,11 +232,46 @@ def test_kernel_pv_column_split_changes_no_bits():
     assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
 
 
+# The seesaw schedule's consumers in the interpreter: rows gathered by XLA and copied by TMA
+# ("seesaw_gathered"; the cp.async form is inline code, which the interpreter cannot run: its check is
+# benchmarks/attention_gpu.py, which compares the two forms bit for bit on a GPU).
+@pytest.mark.parametrize("split_rows,k", [(128, 100), (256, 250), (128, 200)])
+def test_seesaw_kernel_in_gpu_interpreter_matches_reference(split_rows, k):
+    """(128, 100): one pair, the sink in the kernel; (256, 250): two pairs, so the hand-offs and every
+    slot's free/ready barriers go round twice; (128, 200): two splits and the merge. The tolerance
+    against the XLA path is the halves kernel's: the seesaw rounds p of a pair's first block at that
+    block's own max for consumer 0's half, then rescales, a couple of output ulps either way."""
+    _check_kernel_in_interpreter(SparseAttentionConfig(split_rows=split_rows, schedule="seesaw_gathered"), 9, k)
+
+
+def test_seesaw_kernel_in_gpu_interpreter_is_batch_invariant_and_trims_to_pairs():
+    """A query alone and third in a batch of three give the same bits; and a split longer than the
+    index list runs whole pairs only (K = 100 under split 640: one pair), the same bits as the list
+    padded with -1 to 640 entries (five pairs)."""
+    from pallas_kernels.attention.kernel import _trimmed, sparse_sink_attention_pallas
+
+    assert _trimmed(SparseAttentionConfig(640, schedule="seesaw"), 100).split_rows == 128
+    assert _trimmed(SparseAttentionConfig(640, schedule="seesaw"), 130).split_rows == 256
+    probe, (q, kv, idx, sink) = _probe_third_of_three(np.random.default_rng(10), 100)
+    padded = np.concatenate([probe[2], np.full((1, 1, 540), -1, np.int32)], axis=-1)
+    cfg = SparseAttentionConfig(split_rows=640, schedule="seesaw_gathered")
+    with _interpret():
+        alone = sparse_sink_attention_pallas(probe[0], probe[1], jnp.asarray(probe[2]), sink, 0.1, cfg)
+        among = sparse_sink_attention_pallas(q, kv, jnp.asarray(idx), sink, 0.1, cfg)
+        full = sparse_sink_attention_pallas(probe[0], probe[1], jnp.asarray(padded), sink, 0.1, cfg)
+    assert not races_found()
+    assert np.array_equal(_bits(among[2]), _bits(alone[0]))
+    assert np.array_equal(_bits(full), _bits(alone))
+
+
 @pytest.mark.parametrize("cfg", [SparseAttentionConfig(640), SparseAttentionConfig(320),
                                  SparseAttentionConfig(320, producer_warpgroups=2),
                                  SparseAttentionConfig(320, pv_cols=256, pv_in_place=True),
                                  SparseAttentionConfig(320, row_issue="warps"),
-                                 SparseAttentionConfig(320, row_issue="cp_async")])
+                                 SparseAttentionConfig(320, row_issue="cp_async"),
+                                 SparseAttentionConfig(640, schedule="seesaw"),
+                                 SparseAttentionConfig(256, schedule="seesaw", pv_cols=256, pv_in_place=True),
+                                 SparseAttentionConfig(640, schedule="seesaw_gathered")])
 def test_kernel_lowers_for_cuda_at_the_v41_decode_shape(cfg):
     """Cross-lowers the kernel for CUDA on this CPU machine: Mosaic GPU's Python lowering checks the
     layout, tiling, swizzle and TMA rules that the interpreter ignores (a wrong tile or copy fails here)."""

@@ -230,12 +230,13 @@ def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
     never = Numerics(base.act_dtype, base.fake_quant, base.kv_quant, base.kernels, attention_fp4_rows="never")
     assert np.array_equal(np.asarray(attention_core(*args, scale, never)), np.asarray(ops_out))
 
-    calls = []
+    calls, schedules = [], []
     for name in ("sparse_sink_attention", "sparse_sink_attention_fp4"):
         real = getattr(pk_attn, name)
 
         def record(*a, _real=real, _name=name, config, impl, **kw):
             calls.append((_name, impl, config.split_rows, a[1].shape))
+            schedules.append(config.schedule)
             return _real(*a, config=config, impl="xla", **kw)
         monkeypatch.setattr(pk_attn, name, record)
     monkeypatch.setattr(attention_module, "_route", lambda *a: ("op", PALLAS_MOSAIC_GPU))
@@ -254,6 +255,13 @@ def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
         assert calls == [(op, PALLAS_MOSAIC_GPU, split, (1, args[1].shape[1] + extra, 128))]
     # the gathered rows are the decoded cache's, met in the same order: the same bits
     assert np.array_equal(np.asarray(outs["gather"], np.float32), np.asarray(outs["never"], np.float32))
+    # Numerics.attention_schedule reaches the bf16 kernel's config; the FP4 variant keeps "halves"
+    for rows, schedule, want in (("never", "seesaw", "seesaw"), ("always", "seesaw", "halves"),
+                                 ("never", "seesaw-prefill", "halves")):
+        schedules.clear()
+        numerics = dataclasses.replace(base, attention_fp4_rows=rows, attention_split_rows=640, attention_schedule=schedule)
+        attention_core(*args, scale, numerics)
+        assert schedules == [want], (rows, schedule)
 
 
 def test_attention_numerics_per_program_and_validation():
@@ -270,8 +278,15 @@ def test_attention_numerics_per_program_and_validation():
         ("gather", "never")
     same = dataclasses.replace(default, attention_prefill_split_rows=0)
     assert same.for_program("prefill").attention_split_rows == same.attention_split_rows == 320
+    assert default.attention_schedule == "halves"
+    seesaw = dataclasses.replace(default, attention_schedule="seesaw-prefill")   # the decode split 320 is 5 blocks
+    assert seesaw.for_program("prefill").kernel_attention_schedule() == "seesaw"
+    assert seesaw.for_program("decode").kernel_attention_schedule() == "halves"
+    assert seesaw.kernel_attention_schedule() == "halves"    # outside the engine's programs
     for bad in (dict(attention_fp4_rows="prefill"), dict(attention_split_rows=0), dict(attention_split_rows=100),
-                dict(attention_prefill_split_rows=-64), dict(attention_prefill_split_rows=96)):
+                dict(attention_prefill_split_rows=-64), dict(attention_prefill_split_rows=96),
+                dict(attention_schedule="pairs"), dict(attention_schedule="seesaw"),
+                dict(attention_schedule="seesaw-prefill", attention_prefill_split_rows=320)):
         with pytest.raises(ValueError, match="attention_"):
             dataclasses.replace(Numerics.reference(), **bad)
 

@@ -7,6 +7,8 @@ caches, its selection, the candidate mask) travel in ``published``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -119,6 +121,9 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
         # the bf16 kernel on the decoded cache or on the decoded selected rows (Numerics.attention_fp4_rows);
         # the XLA routes above keep reading only the selected rows
         fp4, gathered = False, numerics.attention_fp4_rows == "gather"
+        route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
+    if not fp4 and numerics.kernel_attention_schedule() != "halves":
+        config = dataclasses.replace(config, schedule=numerics.kernel_attention_schedule())
         route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,

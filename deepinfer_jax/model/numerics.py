@@ -43,6 +43,7 @@ KERNEL_OPS = ("attention", "experts", "indexer", "sinkhorn", "dense")
 EXPERT_OPERAND_MODES = ("bf16", "e4m3", "e4m3-decode")
 DENSE_KERNEL_MODES = ("off", "on", "decode")
 ATTENTION_FP4_MODES = ("always", "decode", "never", "gather", "gather-decode")
+ATTENTION_SCHEDULES = ("halves", "seesaw", "seesaw-prefill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,13 @@ class Numerics:
     # query of V4.1's 640 rows: half the CTAs' fixed work, no float32 partials to merge.
     attention_split_rows: int = 320
     attention_prefill_split_rows: int = 640
+    # The bf16 attention kernel's ``SparseAttentionConfig.schedule`` (the FP4 variant has "halves" only):
+    # "halves" (every block through both consumer warpgroups), "seesaw" (blocks in pairs, one consumer a
+    # block for q.k; other roundings, still batch-invariant; needs the split a multiple of 128) or
+    # "seesaw-prefill" ("seesaw" in the engine's prefill programs, "halves" in decode ones and outside
+    # the engine's programs). Untimed end to end: "halves" stays the default until a GPU A/B
+    # (``benchmarks/e2e_gpu.py --sections pattn --pattn seesaw``).
+    attention_schedule: str = "halves"
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -212,6 +220,15 @@ class Numerics:
             check_linear_names(self.dense_kernel_linears)
         if self.attention_fp4_rows not in ATTENTION_FP4_MODES:
             raise ValueError(f"Numerics.attention_fp4_rows={self.attention_fp4_rows!r}; known: {ATTENTION_FP4_MODES}")
+        if self.attention_schedule not in ATTENTION_SCHEDULES:
+            raise ValueError(f"Numerics.attention_schedule={self.attention_schedule!r}; known: {ATTENTION_SCHEDULES}")
+        seesaw_splits = {"halves": (), "seesaw": ("attention_split_rows", "attention_prefill_split_rows"),
+                         "seesaw-prefill": ("attention_prefill_split_rows" if self.attention_prefill_split_rows
+                                            else "attention_split_rows",)}[self.attention_schedule]
+        for name in seesaw_splits:
+            if getattr(self, name) % 128:
+                raise ValueError(f"Numerics.attention_schedule={self.attention_schedule!r} takes 64-row blocks in "
+                                 f"pairs: Numerics.{name}={getattr(self, name)} must be a multiple of 128")
         for name in ("attention_split_rows", "attention_prefill_split_rows"):
             rows = getattr(self, name)
             if rows < 0 or rows % 64 or (rows == 0 and name == "attention_split_rows"):
@@ -224,7 +241,8 @@ class Numerics:
         "bf16" otherwise; ``dense_kernel="decode"`` becomes "on" in decode programs, "off" otherwise;
         ``attention_fp4_rows="decode"`` becomes "always" in decode programs, "never" otherwise (and
         "gather-decode" "gather" and "never"); prefill
-        programs take ``attention_prefill_split_rows`` as their split when it is set."""
+        programs take ``attention_prefill_split_rows`` as their split when it is set;
+        ``attention_schedule="seesaw-prefill"`` becomes "seesaw" in prefill programs, "halves" otherwise."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"program kind {kind!r} must be 'prefill' or 'decode'")
         out = self
@@ -238,7 +256,13 @@ class Numerics:
             out = dataclasses.replace(out, attention_fp4_rows=form if kind == "decode" else "never")
         if kind == "prefill" and self.attention_prefill_split_rows:
             out = dataclasses.replace(out, attention_split_rows=self.attention_prefill_split_rows)
+        if self.attention_schedule == "seesaw-prefill":
+            out = dataclasses.replace(out, attention_schedule="seesaw" if kind == "prefill" else "halves")
         return out
+
+    def kernel_attention_schedule(self) -> str:
+        """The bf16 attention kernel's schedule here ("seesaw-prefill" outside a prefill program: "halves")."""
+        return "seesaw" if self.attention_schedule == "seesaw" else "halves"
 
     def unroll_sinkhorn(self) -> bool:
         """``sinkhorn_unroll`` resolved: None means unrolled on a GPU backend only."""

@@ -19,6 +19,9 @@ HEAD_GROUP = 64
 SMEM_LIMIT_BYTES = 232448 - 4096
 
 
+SCHEDULES = ("halves", "seesaw", "seesaw_gathered")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionConfig:
     """split_rows: selected entries reduced by one CTA; more entries go to more CTAs whose partial
@@ -74,6 +77,18 @@ class SparseAttentionConfig:
     #: ``griddepcontrol.wait`` before reading anything, so the driver may launch the kernel while the one
     #: before it drains (``GroupedMatmulConfig.pdl``; ``Numerics.kernel_pdl``).
     pdl: bool = False
+    #: How the two consumer warpgroups share a CTA's blocks (bf16 kernel only; each gives other roundings,
+    #: each batch-invariant). "halves": every block through both consumers, each taking 32 of its rows for
+    #: q.k and half the output columns for p.kv, the block copied from TMA landing slots into the wgmma
+    #: tile (three rendezvous a block). "seesaw" (seesaw.py, after FlashMLA's sparse kernels): blocks come
+    #: in pairs, consumer c takes q.k over all 64 rows of block 2i + c (N = 64 wgmmas, half as many
+    #: instructions as 32-row ones), the two exchange their row maxima and p once a pair, and each applies
+    #: both blocks' p to its half of the output columns; the rows land straight in the swizzled wgmma
+    #: tiles by per-thread cp.async (GPU only), two producer warpgroups, one a tile, each tile in column
+    #: halves released as soon as their last reader is done. "seesaw_gathered": the same consumers fed
+    #: by TMA from rows the wrapper gathered with XLA first (an extra HBM round trip: the interpreter's
+    #: form, and the GPU's check of the cp.async placement). Needs split_rows a multiple of 128.
+    schedule: str = "halves"
 
     def __post_init__(self):
         if self.split_rows <= 0 or self.split_rows % BLOCK_ROWS:
@@ -89,6 +104,11 @@ class SparseAttentionConfig:
         if self.row_issue not in ("warpgroup", "warps", "cp_async"):
             raise ValueError(f"SparseAttentionConfig.row_issue={self.row_issue!r} must be 'warpgroup', 'warps' "
                              "or 'cp_async'")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"SparseAttentionConfig.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.schedule != "halves" and self.split_rows % (2 * BLOCK_ROWS):
+            raise ValueError(f"SparseAttentionConfig.split_rows={self.split_rows}: the {self.schedule!r} schedule takes "
+                             f"blocks in pairs, so a multiple of {2 * BLOCK_ROWS}")
         if self.profile_ranges < 0 or bool(self.profile_dir) != bool(self.profile_ranges):
             raise ValueError(f"SparseAttentionConfig: profile_dir={self.profile_dir!r} and profile_ranges="
                              f"{self.profile_ranges} must be set together (a directory and a positive count) "
@@ -112,6 +132,17 @@ def profile_ranges_needed(split_rows: int) -> int:
     """The least ``SparseAttentionConfig.profile_ranges`` that holds a CTA's consumer trace: its
     ranges, plus one for the profiler's 3-entry header. Too few would overrun shared memory."""
     return PROFILE_SCOPES_PER_CTA + PROFILE_SCOPES_PER_BLOCK * (split_rows // BLOCK_ROWS) + 1
+
+
+def seesaw_smem_bytes(head_dim: int, split_rows: int) -> int:
+    """Shared memory of the seesaw schedules' CTA (seesaw.py): q, two blocks in wgmma tiles, each
+    block's p, the exchanged maxima and denominators, the split's indices."""
+    bf16 = 2
+    q = HEAD_GROUP * head_dim * bf16
+    blocks = 2 * BLOCK_ROWS * head_dim * bf16
+    probs = 2 * HEAD_GROUP * BLOCK_ROWS * bf16
+    exchange = 2 * 2 * HEAD_GROUP * 4
+    return q + blocks + probs + exchange + split_rows * 4
 
 
 def smem_bytes(head_dim: int, split_rows: int, fp4: bool = False, profile_ranges: int = 0,
@@ -143,6 +174,15 @@ def kernel_unsupported_reason(num_heads: int, head_dim: int, config: SparseAtten
         return f"head_dim={head_dim}: the FP4 variant copies packed rows of head_dim/2 bytes, a multiple of 128"
     if fp4 and config.producer_warpgroups != 1:
         return "the FP4 variant has one producer warpgroup"
+    if fp4 and config.schedule != "halves":
+        return f"the FP4 variant has the 'halves' schedule only, not {config.schedule!r}"
+    if config.schedule != "halves":
+        if config.profile_ranges:
+            return f"the {config.schedule!r} schedule records no profiler phases"
+        need = seesaw_smem_bytes(head_dim, config.split_rows)
+        if need > SMEM_LIMIT_BYTES:
+            return f"head_dim={head_dim}, split_rows={config.split_rows} need {need} B of shared memory (seesaw)"
+        return None
     if config.profile_ranges and config.profile_ranges < (least := profile_ranges_needed(config.split_rows)):
         return (f"profile_ranges={config.profile_ranges} cannot hold a CTA's trace at split_rows="
                 f"{config.split_rows}: need {least}")

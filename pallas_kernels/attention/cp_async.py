@@ -22,11 +22,13 @@ _THREADS = 128         # the issuing warpgroup
 
 
 def gather_rows(idx_ref, src_ref, dst_ref, *, first: int, rows: int, row_bytes: int, swizzle: int | None = None,
-                dst_row: int = 0) -> None:
-    """Start copying ``src_ref[max(idx_ref[first + j], 0)]`` to row ``dst_row + j`` of ``dst_ref`` for
-    j < rows, then commit them as one cp.async group of this thread (``wait_groups`` completes it).
+                dst_row: int = 0, src_col_bytes: int = 0) -> None:
+    """Start copying ``src_ref[max(idx_ref[first + j], 0)]`` (``row_bytes`` of it from byte
+    ``src_col_bytes`` of the row on) to row ``dst_row + j`` of ``dst_ref`` for j < rows, then commit them
+    as one cp.async group of this thread (``wait_groups`` completes it).
 
-    idx_ref: SMEM int32 [>= first + rows]; src_ref: GMEM [S, row_bytes / itemsize], rows contiguous;
+    idx_ref: SMEM int32 [>= first + rows]; src_ref: GMEM [S, C], rows contiguous, C * itemsize >=
+    src_col_bytes + row_bytes;
     dst_ref: SMEM [>= dst_row + rows, ...], row_bytes per row: contiguous (untiled) when ``swizzle`` is
     None, else allocated as ``mosaic.tiled(swizzle, itemsize)``, the wgmma tiles, each 16-byte piece
     going to its swizzled place (``swizzled_offset``; a TMA copy of one row into a tiled buffer cannot,
@@ -38,6 +40,10 @@ def gather_rows(idx_ref, src_ref, dst_ref, *, first: int, rows: int, row_bytes: 
         raise ValueError(f"row_bytes={row_bytes} must be 16 x a divisor of {_THREADS}")
     if swizzle is not None and (swizzle not in (32, 64, 128) or row_bytes % swizzle):
         raise ValueError(f"swizzle={swizzle} must be 32, 64 or 128 bytes and divide row_bytes={row_bytes}")
+    src_row_bytes = src_ref.shape[-1] * src_ref.dtype.itemsize
+    if src_col_bytes % _PIECE or src_col_bytes + row_bytes > src_row_bytes:
+        raise ValueError(f"src_col_bytes={src_col_bytes} + row_bytes={row_bytes} must fit a {src_row_bytes}-byte "
+                         "source row, at a 16-byte multiple")
     rows_per_pass = _THREADS // pieces
     if rows % rows_per_pass:
         raise ValueError(f"rows={rows} must be a multiple of {rows_per_pass} for {row_bytes}-byte rows")
@@ -63,7 +69,8 @@ def gather_rows(idx_ref, src_ref, dst_ref, *, first: int, rows: int, row_bytes: 
             j = arith.addi(row_in_pass, c32(p * rows_per_pass))
             row = memref.load(idx_m, [arith.index_cast(index, arith.addi(j, c32(first)))])
             row = arith.maxsi(row, c32(0))
-            src_off = arith.addi(arith.muli(arith.extui(i64, row), mu.c(row_bytes, i64)), arith.extui(i64, piece_off))
+            src_off = arith.addi(arith.muli(arith.extui(i64, row), mu.c(src_row_bytes, i64)),
+                                 arith.extui(i64, arith.addi(piece_off, c32(src_col_bytes))))
             r = arith.addi(j, c32(dst_row))
             if swizzle is None:
                 dst_off = arith.addi(arith.muli(r, c32(row_bytes)), piece_off)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +48,10 @@ from pallas_kernels.attention.config import BLOCK_ROWS, HEAD_GROUP, SparseAttent
 from pallas_kernels.grouped_gemm.kernel import _f16_bits_to_f32, _fp4_bytes_to_f16_bits, _fp4_nibble_to_f32
 from pallas_kernels.grouped_gemm import fp4_packed
 from pallas_kernels.grouped_gemm.kernel import fp4_k_permutation, from_fp4_k_order, to_fp4_k_order
-from pallas_kernels.attention import cp_async
+from pallas_kernels.attention import consumer_state, cp_async
 from pallas_kernels import mosaic   # (module-qualified: the kernel body names its block buffer "tiled")
 
-_LOG2E = math.log2(math.e)
-_NEG_BIG = -1e30  # finite "minus infinity" for a running max that may never see a valid score
+_LOG2E = consumer_state.LOG2E
 _SWIZZLE = 64     # bytes; 32 bf16 columns per tile, so each consumer's 32 probability columns are whole tiles
 _HALF_ROWS = BLOCK_ROWS // 2
 _FP4_GROUP = 16   # values per E4M3 scale in the compressed cache (kv_codec.COMPRESSED)
@@ -142,15 +140,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
             with jax.named_scope("c_init"):
                 plgpu.barrier_wait(q_bar)
                 plgpu.barrier_wait(idx_bar)
-                if n_splits == 1:
-                    m0 = plgpu.load(sink_ref.at[group], layout=row_layout, optimized=False) * _LOG2E
-                else:
-                    m0 = plgpu.layout_cast(jnp.full((h,), _NEG_BIG, jnp.float32), row_layout)
-                # e^(sink - m) rides in warpgroup 0's share of the denominator and is rescaled with it.
-                l0 = plgpu.layout_cast(jnp.full((h,), 1.0 if (n_splits == 1 and half == 0) else 0.0, jnp.float32),
-                                       row_layout)
-                o0 = tuple(plgpu.layout_cast(jnp.zeros((h, cw), jnp.float32), plgpu.Layout.WGMMA)
-                           for _ in range(n_chunks))
+                o0, m0, l0 = consumer_state.initial_state(sink_ref, group, n_splits=n_splits, consumer=half, cols=cw,
+                                                          n_chunks=n_chunks)
 
             def block(i, carry):
                 o, m, l = carry
@@ -231,25 +222,8 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                 consumer_out(half, o, m, l)
 
         def consumer_out(half: int, o, m, l):
-            """The epilogue: sum both halves' denominators, normalise, write o (and the lse)."""
-            xmax.at[half][...] = l
-            rendezvous()
-            l = xmax.at[0][...] + xmax.at[1][...]
-            inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
-            o = [oc * lax.broadcast_in_dim(inv_l, (h, cw), [0]) for oc in o]
-            if n_splits == 1:
-                (o_ref,) = out_refs
-                for c in range(n_chunks):  # the query tile is no longer read by anyone: reuse it
-                    q_smem.at[half, :, pl.ds(c * cw, cw)][...] = o[c].astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[half], o_ref.at[n, :, pl.ds(half * dh, dh)])
-                plgpu.wait_smem_to_gmem(0)
-            else:
-                o_ref, lse_ref = out_refs
-                for c in range(n_chunks):
-                    o_ref.at[n, split, :, pl.ds(half * dh + c * cw, cw)][...] = o[c]
-                if half == 0:
-                    lse_ref.at[n, split][...] = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+            consumer_state.write_output(half, o, m, l, l_exchange=xmax, sync=rendezvous, q_smem=q_smem,
+                                        out_refs=out_refs, n=n, split=split, n_splits=n_splits, cols=cw, half_dim=dh)
 
         def copy_rows(i, half, src_ref, dst_half):
             """Start copying the selected rows of block i's half: src_ref[batch, row] -> dst_half[j], j < 32.
@@ -380,11 +354,7 @@ def _build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int,
                     plgpu.SMEM((BLOCK_ROWS, d // 2), jnp.uint8),                      # FP4 landing block
                     plgpu.SMEM((n_groups, BLOCK_ROWS), jnp.float8_e4m3fn)),           # its scales
                    (*scratch[1], plgpu.Barrier()))
-    if n_splits == 1:
-        out_type = (jax.ShapeDtypeStruct((n_queries, h, d), jnp.bfloat16),)
-    else:
-        out_type = (jax.ShapeDtypeStruct((n_queries, n_splits, h, d), jnp.float32),
-                    jax.ShapeDtypeStruct((n_queries, n_splits, h), jnp.float32))
+    out_type = consumer_state.output_types(n_queries, n_splits, d)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -435,7 +405,8 @@ def _trimmed(config: SparseAttentionConfig, k: int) -> SparseAttentionConfig:
     """config with a split no longer than k rows (rounded up to whole blocks) when one split holds them:
     the blocks past the last index would be all -1, whose rows add exactly nothing (p = 0, alpha = 1),
     so the same bits in fewer blocks (a window-only layer's 128 rows: 2 blocks, not 5 or 10)."""
-    fit = -(-k // BLOCK_ROWS) * BLOCK_ROWS
+    unit = BLOCK_ROWS if config.schedule == "halves" else 2 * BLOCK_ROWS   # (seesaw: whole pairs)
+    fit = -(-k // unit) * unit
     return dataclasses.replace(config, split_rows=fit) if 0 < fit < config.split_rows else config
 
 
@@ -480,6 +451,17 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     idx = jnp.pad(idx_btk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
     idx = _split_blocks(idx.reshape(b * t, kp), groups, config)
 
+    if config.schedule != "halves":
+        from pallas_kernels.attention import seesaw
+
+        gathered = config.schedule == "seesaw_gathered"
+        if gathered:   # each query's selected rows, in index order: [B*T, splits * split_rows, D]
+            sel = jnp.maximum(idx[::groups].reshape(b, t * kp), 0)
+            kv_bsd = jnp.take_along_axis(kv_bsd, sel[..., None], axis=1).reshape(b * t, kp, d)
+        call = seesaw.build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
+                            gathered=gathered, groups=groups, pv_in_place=config.pv_in_place, pv_cols=config.pv_cols,
+                            pdl=config.pdl)
+        return _outputs(call(q, kv_bsd, idx, sink), sink, q_bthd.shape)
     call = _build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
                   config.producer_warpgroups, no_auto_barriers=config.no_auto_barriers, row_issue=config.row_issue,
                   pv_cols=config.pv_cols, pv_in_place=config.pv_in_place, profile_dir=config.profile_dir,
