@@ -451,6 +451,8 @@ def main():
     # Each FP4 kernel shape compiles in ~15-30 s on the H200; the default pair keeps the section near 4 minutes.
     ap.add_argument("--fp4-impls", default="fp4/split320,fp4/split320/bits,bf16-decoded/kernel")
     ap.add_argument("--fp4-contexts", default="8192,32768,131072")
+    ap.add_argument("--contexts", default=None, help="the decode section's contexts (comma-separated; default "
+                    "8192,32768,131072, or 8192,131072 with --quick)")
     args = ap.parse_args()
     dev = jax.devices()[0]
     log(f"jax {jax.__version__}  device {dev.device_kind}  cc {getattr(dev, 'compute_capability', '?')}")
@@ -471,7 +473,8 @@ def main():
     if "topk" in want:
         topk_section()
     if "decode" in want:
-        decode(names, (8192, 131072) if args.quick else (8192, 32768, 131072), reps_sets=8)
+        contexts = (8192, 131072) if args.quick else (8192, 32768, 131072)
+        decode(names, tuple(int(c) for c in args.contexts.split(",")) if args.contexts else contexts, reps_sets=8)
     if "prefill" in want:
         prefill([n for n in names if n == "xla" or n.startswith("kernel/split640")])
     if "fp4" in want:
