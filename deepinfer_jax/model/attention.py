@@ -123,7 +123,10 @@ def attention_core(q_bthd: jax.Array, win_k_bwd: jax.Array, win_mask_btw: jax.Ar
         fp4, gathered = False, numerics.attention_fp4_rows == "gather"
         route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
     if not fp4 and numerics.kernel_attention_schedule() != "halves":
-        config = dataclasses.replace(config, schedule=numerics.kernel_attention_schedule())
+        # p.kv accumulated in place: ptxas spills 200 B a consumer thread, 720 B with a fresh accumulator
+        # a 128-column chunk (benchmarks/NOTES.md item -33; GPU only, as the seesaw's cp.async rows are)
+        config = dataclasses.replace(config, schedule=numerics.kernel_attention_schedule(), pv_cols=256,
+                                     pv_in_place=True)
         route, impl = _route(numerics, q_bthd.dtype, h, d, config, fp4)
     if route == "model":
         return sink_attention(q_bthd, win_k_bwd, win_mask_btw, comp_kv, idx_btk, sink_h, scale, numerics.precision,
