@@ -259,7 +259,8 @@ def test_attention_fp4_rows_and_split_pick_the_kernel_form(monkeypatch):
     for rows, schedule, want in (("never", "seesaw", "seesaw"), ("always", "seesaw", "halves"),
                                  ("never", "seesaw-prefill", "halves")):
         schedules.clear()
-        numerics = dataclasses.replace(base, attention_fp4_rows=rows, attention_split_rows=640, attention_schedule=schedule)
+        numerics = dataclasses.replace(base, attention_fp4_rows=rows, attention_split_rows=640,
+                                       attention_schedule=schedule)
         attention_core(*args, scale, numerics)
         assert schedules == [want], (rows, schedule)
 

@@ -87,7 +87,9 @@ class SparseAttentionConfig:
     #: tiles by per-thread cp.async (GPU only), two producer warpgroups, one a tile, each tile in column
     #: halves released as soon as their last reader is done. "seesaw_gathered": the same consumers fed
     #: by TMA from rows the wrapper gathered with XLA first (an extra HBM round trip: the interpreter's
-    #: form, and the GPU's check of the cp.async placement). Needs split_rows a multiple of 128.
+    #: form, and the GPU's check of the cp.async placement). Needs split_rows a multiple of 128; the
+    #: seesaw schedules have their own producer and ignore producer_warpgroups, no_auto_barriers and
+    #: row_issue.
     schedule: str = "halves"
 
     def __post_init__(self):
@@ -107,8 +109,8 @@ class SparseAttentionConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"SparseAttentionConfig.schedule={self.schedule!r} must be one of {SCHEDULES}")
         if self.schedule != "halves" and self.split_rows % (2 * BLOCK_ROWS):
-            raise ValueError(f"SparseAttentionConfig.split_rows={self.split_rows}: the {self.schedule!r} schedule takes "
-                             f"blocks in pairs, so a multiple of {2 * BLOCK_ROWS}")
+            raise ValueError(f"SparseAttentionConfig.split_rows={self.split_rows}: the {self.schedule!r} schedule "
+                             f"takes blocks in pairs, so a multiple of {2 * BLOCK_ROWS}")
         if self.profile_ranges < 0 or bool(self.profile_dir) != bool(self.profile_ranges):
             raise ValueError(f"SparseAttentionConfig: profile_dir={self.profile_dir!r} and profile_ranges="
                              f"{self.profile_ranges} must be set together (a directory and a positive count) "

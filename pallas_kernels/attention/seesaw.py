@@ -54,8 +54,9 @@ _SWIZZLE = 128      # bytes: 64 bf16 columns a tile
 
 
 def _rows(k: int, n: int = BLOCK_ROWS) -> pl.Slice:
-    """Rows of slot k (or of p tile k, n = 64 heads) in its stacked buffer. (A stacked 2-D buffer, not a leading slot axis:
-    an integer index into a ref fails to lower inside ``run_state``, the in-place p.kv's form.)"""
+    """Rows of slot k (or of p tile k, n = 64 heads) in its stacked buffer. (A stacked 2-D buffer, not a
+    leading slot axis: an integer index into a ref fails to lower inside ``run_state``, the in-place
+    p.kv's form.)"""
     return pl.ds(k * n, n)
 
 
@@ -85,8 +86,9 @@ def build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, 
     if dh % cw:
         raise ValueError(f"pv_cols={pv_cols} must divide head_dim/2={dh}")
     n_chunks = dh // cw
-    # One producer warpgroup: with four, ptxas compiles every thread for 128 registers (the launch's
-    # share), too few for a 64 x 256 float32 accumulator (the in-place p.kv asked for 158).
+    # One producer warpgroup: with a second (four warpgroups), ptxas compiles every thread for 128
+    # registers, the launch's share, too few for a 64 x 256 float32 accumulator (the in-place p.kv
+    # asked for 158).
     n_producers = 1
     producer_regs = 40
     col_layout = plgpu.Layout.WGMMA.reduce(0)   # one value per kv row
