@@ -84,8 +84,8 @@ class SparseAttentionConfig:
     #: in pairs, consumer c takes q.k over all 64 rows of block 2i + c (N = 64 wgmmas, half as many
     #: instructions as 32-row ones), the two exchange their row maxima and p once a pair, and each applies
     #: both blocks' p to its half of the output columns; the rows land straight in the swizzled wgmma
-    #: tiles by per-thread cp.async (GPU only), two producer warpgroups, one a tile, each tile in column
-    #: halves released as soon as their last reader is done. "seesaw_gathered": the same consumers fed
+    #: tiles by per-thread cp.async from one producer warpgroup (GPU only), each block in column halves
+    #: released as soon as their last reader is done. "seesaw_gathered": the same consumers fed
     #: by TMA from rows the wrapper gathered with XLA first (an extra HBM round trip: the interpreter's
     #: form, and the GPU's check of the cp.async placement). Needs split_rows a multiple of 128; the
     #: seesaw schedules have their own producer and ignore producer_warpgroups, no_auto_barriers and

@@ -448,15 +448,15 @@ def sparse_sink_attention_pallas(q_bthd: jax.Array, kv_bsd: jax.Array, idx_btk: 
     config = _trimmed(config, k)
     n_splits = config.num_splits(k)
     kp = n_splits * config.split_rows
-    idx = jnp.pad(idx_btk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
-    idx = _split_blocks(idx.reshape(b * t, kp), groups, config)
+    padded_btk = jnp.pad(idx_btk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - k)), constant_values=-1)
+    idx = _split_blocks(padded_btk.reshape(b * t, kp), groups, config)
 
     if config.schedule != "halves":
         from pallas_kernels.attention import seesaw
 
         gathered = config.schedule == "seesaw_gathered"
         if gathered:   # each query's selected rows, in index order: [B*T, splits * split_rows, D]
-            sel = jnp.maximum(idx[::groups].reshape(b, t * kp), 0)
+            sel = jnp.maximum(padded_btk.reshape(b, t * kp), 0)
             kv_bsd = jnp.take_along_axis(kv_bsd, sel[..., None], axis=1).reshape(b * t, kp, d)
         call = seesaw.build(b * t * groups, t * groups, d, n_splits, config.split_rows, float(scale),
                             gathered=gathered, groups=groups, pv_in_place=config.pv_in_place, pv_cols=config.pv_cols,

@@ -218,7 +218,7 @@ def build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, 
                 plgpu.copy_gmem_to_smem(q_ref.at[n, :, pl.ds(half * dh, dh)], q_smem.at[half], q_bar)
             plgpu.copy_gmem_to_smem(idx_ref.at[n, split], idx_smem, idx_bar)
 
-        def producer_gathered():
+        def producer_tma():
             plgpu.set_max_registers(producer_regs, action="decrease")
             load_inputs()
             row0 = split * split_rows
@@ -237,7 +237,7 @@ def build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, 
                                             ready.at[slot])
             drain(range(4))
 
-        def producer_gather():
+        def producer_cp_async():
             plgpu.set_max_registers(producer_regs, action="decrease")
             load_inputs()
             plgpu.barrier_wait(idx_bar)
@@ -275,7 +275,7 @@ def build(n_queries: int, queries_per_batch: int, head_dim: int, n_splits: int, 
             for slot in slots:
                 plgpu.barrier_wait(free.at[slot])
 
-        mosaic.run_warpgroups(consumer, [producer_gathered if gathered else producer_gather])
+        mosaic.run_warpgroups(consumer, [producer_tma if gathered else producer_cp_async])
 
     tiles = mosaic.tiled(_SWIZZLE, 2)
     scratch = (
