@@ -6,6 +6,7 @@
 
     MOSAIC_GPU_DUMP_PTXAS=1 ../aotenv/bin/python benchmarks/grouped_gemm_compile.py --tokens 16384 \
         --block-m 128 --block-k 64 --stages 8 --consumers 2 --operands bf16 --swiglu    # the w1/w3 + SwiGLU launch
+        (... --swiglu --swiglu-out bf16-quant: with h's FP8 quantizer in the epilogue)
 
 Needs a jax with CUDA (the ../aotenv of benchmarks/NOTES.md). The FP4 weights are tile-major 256 x 128
 with kernel-layout scales and the "subnormal" decoder, as the engine holds them; the launch is persistent.
@@ -43,6 +44,9 @@ def main(argv=None) -> float:
     ap.add_argument("--overlap", action="store_true", help="GroupedMatmulConfig.e4m3_overlap")
     ap.add_argument("--swiglu", action="store_true",
                     help="compile kernel.swiglu_tiles (w1 and w3 with the SwiGLU epilogue) instead")
+    ap.add_argument("--swiglu-out", default="float32", choices=("float32", "bf16", "bf16-quant"),
+                    help="with --swiglu: h as float32 rows, bf16 rows, or bf16 rows through the FP8 quantizer "
+                         "(act_block 32) as the model's h takes them")
     args = ap.parse_args(argv)
 
     sh = compile_probe.compile_only_sharding(compile_probe.TARGET_CONFIG)
@@ -60,7 +64,9 @@ def main(argv=None) -> float:
         def run(x, w, g, s):
             plan, x_pk = tile_rows(x, g, num_groups=G_EXPERTS, block_m=cfg.block_m, fp4=True)
             row_w = jnp.ones(x_pk.shape[0], jnp.float32)
-            return swiglu_tiles(plan, x_pk, w, s, w, s, row_w, limit=10.0, config=cfg, scales_prepared=True)
+            return swiglu_tiles(plan, x_pk, w, s, w, s, row_w, limit=10.0, config=cfg, scales_prepared=True,
+                                out_dtype=jnp.float32 if args.swiglu_out == "float32" else jnp.bfloat16,
+                                act_block=32 if args.swiglu_out == "bf16-quant" else None)
         jax.jit(run).trace(*args_in).lower().compile()
     else:
         jax.jit(lambda x, w, g, s: grouped_matmul_pallas(x, w, g, s, out_dtype=jnp.float32, config=cfg,

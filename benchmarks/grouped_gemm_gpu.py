@@ -31,7 +31,8 @@ prefill config): w1 and w3 with the SwiGLU and routing weight in the kernel's ep
 (``kernel.swiglu_tiles``) against the one-launch w1/w3 kernel followed by XLA's elementwise SwiGLU, each
 giving h [rows, 2304] float32: ms of each (all kernels of the call), the w13 launch alone (what the
 epilogue launch costs over it), and the largest difference between the two h, relative to the largest
-|h| (0 where exp rounds alike).
+|h| (0 where exp rounds alike); then h as w2 reads it (bf16, FP8-quantized, FP4 K order) with the quantizer
+in the epilogue against the float32 epilogue + XLA's quantizer: ms of each and whether the bits agree.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/grouped_gemm_gpu.py --dequant-ab     # ~2-3 min on an H200
 
@@ -869,6 +870,37 @@ def _():
     return out
 
 
+def swiglu_quant_ab(tokens, cfg, plan, x_pk, pairs, row_w, limit, iters, used) -> dict:
+    """The h that w2 reads (bf16, FP8-quantized per 32 columns, in the FP4 K order) made two ways: the
+    float32 epilogue + the model's quantizer in XLA (``Numerics.expert_swiglu_quant`` off), and the
+    quantizer in the epilogue (``swiglu_tiles(out_dtype=bf16, act_block=32)``, on): the same bits
+    expected, and ms of each."""
+    from deepinfer_jax.model.numerics import fake_quant_fp8
+    from pallas_kernels.grouped_gemm.config import WeightFormat
+    from pallas_kernels.grouped_gemm.kernel import swiglu_config, swiglu_tiles, to_fp4_k_order
+
+    q_cfg = swiglu_config(cfg, WeightFormat.FP4, jnp.bfloat16, 32)
+    if q_cfg is None:
+        return dict(quant="not supported by this config")
+
+    def xla_quant(xp, p1, p3, rw):
+        h = swiglu_tiles(plan, xp, *p1, *p3, rw, limit=limit, config=cfg, scales_prepared=True)
+        return to_fp4_k_order(fake_quant_fp8(h.astype(jnp.bfloat16), 32))
+
+    def in_kernel(xp, p1, p3, rw):
+        return to_fp4_k_order(swiglu_tiles(plan, xp, *p1, *p3, rw, limit=limit, config=q_cfg, scales_prepared=True,
+                                           out_dtype=jnp.bfloat16, act_block=32))
+
+    a, b = jax.jit(xla_quant), jax.jit(in_kernel)
+    same = bool(np.array_equal(np.asarray(a(x_pk, *pairs, row_w)).view(np.uint16)[used],
+                               np.asarray(b(x_pk, *pairs, row_w)).view(np.uint16)[used]))
+    a_ms, _ = kernel_times_ms(a, x_pk, *pairs, row_w, iters=iters)
+    b_ms, _ = kernel_times_ms(b, x_pk, *pairs, row_w, iters=iters)
+    TABLE.append(f"swiglu+quant {tokens:6d}x6: quantizer in the epilogue {b_ms:.3f} ms ({q_cfg.stages} stages), "
+                 f"float32 epilogue + XLA quantizer {a_ms:.3f} ms ({b_ms / a_ms:.3f}x), same bits: {same}")
+    return dict(quant_in_kernel_ms=b_ms, quant_xla_ms=a_ms, quant_same_bits=same, quant_stages=q_cfg.stages)
+
+
 @section("swiglu", 30)
 def _():
     """w1/w3 + SwiGLU in one launch (``swiglu_tiles``) against w1/w3 in one launch + XLA's SwiGLU, at the
@@ -909,6 +941,7 @@ def _():
         TABLE.append(f"swiglu prefill {tokens:6d}x6: epilogue {fused_ms:.3f} ms, w13 launch + XLA {unfused_ms:.3f} ms "
                      f"({fused_ms / unfused_ms:.3f}x; the w13 launch alone {w13_ms:.3f}), "
                      f"max |diff| / max |h| {rel:.2e}")
+        out[key].update(swiglu_quant_ab(tokens, cfg, plan, x_pk, pairs, row_w, limit, iters, used))
     return out
 
 

@@ -213,3 +213,34 @@ def test_round_to_bf16_is_the_cast_pair():
     want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
     got = np.asarray(jax.jit(round_to_bf16)(jnp.asarray(x)))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_the_epilogue_quantizer_is_the_model_quantizer_bit_for_bit(block):
+    """``pallas_kernels.grouped_gemm.act_quant`` (the SwiGLU epilogue's quantizer, in ops Mosaic GPU
+    lowers: scales from exponent bits, x times 1/s, a cast to E4M3 and back through float16) gives the
+    bits of the model's ``fake_quant_fp8`` on bf16 rows: blocks of zeros (amax under the 1e-4 floor),
+    bf16 subnormals, E4M3 ties and subnormal steps, amax exactly 448 x 2^k (no rounding up of the
+    scale) and just above it, magnitudes from 2^-120 to 2^120."""
+    from pallas_kernels.grouped_gemm.act_quant import fake_quant_blocks, pow2_scale
+    from deepinfer_jax.model.numerics import fp8_scale
+
+    rng = np.random.default_rng(7)
+    rows = (rng.standard_normal((256, 4 * block)) * np.exp2(rng.uniform(-120, 120, (256, 1)))).astype(np.float32)
+    rows[0] = 0.0
+    rows[1, :block] = 2e-5                                     # under the floor: s = 2^-22
+    rows[2] = 1e-39                                            # bf16 subnormals
+    rows[3, 0] = 448.0 * 2.0**-30                              # amax exactly 448 x 2^k
+    rows[4, 0] = np.nextafter(np.float32(448.0 * 2.0**10), np.float32(np.inf))
+    grid = _grid_cases(448.0)                                  # every E4M3 value and the ties between them
+    rows = np.concatenate([rows, grid[: grid.size // (4 * block) * 4 * block].reshape(-1, 4 * block)])
+    x = jnp.asarray(rows).astype(jnp.bfloat16)
+    want = np.asarray(fake_quant_fp8(x, block)).view(np.uint16)
+    got = np.asarray(jax.jit(fake_quant_blocks, static_argnums=1)(x.astype(jnp.float32), block)).view(np.uint16)
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, [(tuple(i), rows[tuple(i)]) for i in bad[:5]]
+    amax = np.abs(rows).max(axis=1)
+    s, inv = (np.asarray(v) for v in pow2_scale(jnp.asarray(amax)))
+    assert np.array_equal(s, np.asarray(fp8_scale(jnp.asarray(amax)))) and np.array_equal(s * inv, np.ones_like(s))
+    with pytest.raises(ValueError, match="quantizer blocks"):
+        fake_quant_blocks(jnp.ones((64, 96), jnp.float32), 64)

@@ -912,6 +912,53 @@ def test_swiglu_epilogue_gives_the_w13_launch_rows_through_the_swiglu_in_gpu_int
         assert "E4M3" in swiglu_unsupported_reason(dataclasses.replace(base, fp4_operands="e4m3"), fmt)
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4], ids=lambda f: f.value)
+def test_swiglu_epilogue_bf16_rows_are_the_quantizer_on_its_float32_rows_in_gpu_interpreter(fmt):
+    """``swiglu_tiles(out_dtype=bfloat16, act_block=32)``: h through the model's activation quantizer
+    (``fake_quant_fp8`` of the float32 epilogue's h cast to bf16), bit for bit, in both launches;
+    without act_block the float32 rows cast to bf16; padding rows 0. Refused: act_block with float32
+    out, 16-row tiles, a block that does not split a consumer's 64 columns; ``swiglu_config`` takes
+    stages off a 128 x 256 x 64 tile with 8 (the engine's FP4 prefill tile: 7 left) for the staged rows,
+    and gives None for what no stage count mends."""
+    from deepinfer_jax.model.numerics import fake_quant_fp8
+    from pallas_kernels.grouped_gemm.kernel import swiglu_config, swiglu_tiles, swiglu_unsupported_reason, tile_rows
+
+    g, n, k, m = 3, 256, 256, 150
+    w, s, x, gid = _routed_problem(47, fmt, g, n, k, m)
+    w3, s3, _, _ = _routed_problem(53, fmt, g, n, k, m)
+    plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=64, fp4=fmt is WeightFormat.FP4)
+    used = np.repeat(np.asarray(plan.tile_group) >= 0, 64)
+    routed = np.asarray(plan.row_src) < m
+    row_w = jnp.asarray(np.where(routed, np.random.default_rng(5).uniform(0.1, 2, routed.shape), 0), jnp.float32)
+    base = dataclasses.replace(_TINY_CFG, block_m=64, block_n=256)
+    with _interpret():
+        for persistent in (False, True):
+            cfg = dataclasses.replace(base, persistent=persistent)
+            h32 = swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=cfg)
+            hq = swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=cfg, out_dtype=jnp.bfloat16,
+                              act_block=32)
+            hb = swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=cfg, out_dtype=jnp.bfloat16)
+            assert hq.dtype == hb.dtype == jnp.bfloat16 and hq.shape == h32.shape
+            want_q = fake_quant_fp8(h32.astype(jnp.bfloat16), 32)
+            assert np.array_equal(_bits(hq)[used], _bits(want_q)[used]), persistent
+            assert np.array_equal(_bits(hb)[used], _bits(h32.astype(jnp.bfloat16))[used]), persistent
+            assert not np.array_equal(_bits(hq)[used], _bits(hb)[used])       # the quantizer rounds
+            assert not np.any(np.asarray(hq, np.float32)[used & ~routed])
+    assert not races_found()
+    with pytest.raises(ValueError, match="bfloat16"):
+        swiglu_tiles(plan, x_pk, w, s, w3, s3, row_w, limit=3.0, config=base, act_block=32)
+    assert "64-row" in swiglu_unsupported_reason(dataclasses.replace(base, block_m=16), fmt, jnp.bfloat16, 32)
+    assert "granules" in swiglu_unsupported_reason(base, fmt, jnp.bfloat16, 48)
+    prefill = GroupedMatmulConfig(block_m=128, block_n=256, block_k=64, stages=8, consumers=2)
+    assert swiglu_unsupported_reason(prefill, fmt, jnp.float32) is None
+    assert "shared memory" in swiglu_unsupported_reason(prefill, fmt, jnp.bfloat16, 32)
+    fitted = swiglu_config(prefill, fmt, jnp.bfloat16, 32)     # the most stages that fit: 7 for FP4
+    assert fitted == dataclasses.replace(prefill, stages=fitted.stages)
+    assert fitted.stages == {"fp4": 7, "fp8": 5}[fmt.value]
+    assert swiglu_unsupported_reason(fitted, fmt, jnp.bfloat16, 32) is None
+    assert swiglu_config(dataclasses.replace(prefill, block_m=32), fmt, jnp.bfloat16, 32) is None
+
+
 def test_swiglu_epilogue_row_is_batch_invariant_in_gpu_interpreter():
     """A probe row's h from ``swiglu_tiles`` has the same bits alone, among other rows of other experts,
     and among rows of its own expert (its tile and position in it change): bitwise, persistent launch."""
@@ -941,7 +988,8 @@ def test_swiglu_epilogue_row_is_batch_invariant_in_gpu_interpreter():
 def test_swiglu_epilogue_lowers_for_hopper(fmt):
     """``swiglu_tiles`` in the GPU configuration (dequantized A in registers, both launches, the FP4
     decoders the engine picks) passes Mosaic GPU's lowering for CUDA without a GPU: layouts, the
-    float32 row stores' whole sectors, shared memory."""
+    float32 row stores' whole sectors, shared memory; and the bf16 rows through shared memory, with
+    and without the quantizer (its transposed store, the token-major load, the block maxima)."""
     from pallas_kernels.grouped_gemm.kernel import swiglu_tiles, tile_rows
 
     g, n, k, m = 4, 256, 256, 40
@@ -950,12 +998,16 @@ def test_swiglu_epilogue_lowers_for_hopper(fmt):
         w, s = jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((g, n // 32, k // 32), jnp.uint8)
     else:
         w, s = jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8)
-    for extra in (dict(persistent=True, fp4_dequant="subnormal"), dict(persistent=False, fp4_dequant="packed")):
-        cfg = GroupedMatmulConfig(block_m=32, block_n=256, block_k=64, stages=3, consumers=2, **extra)
+    for extra, out in ((dict(persistent=True, fp4_dequant="subnormal"), None),
+                       (dict(persistent=False, fp4_dequant="packed"), None),
+                       (dict(persistent=True, fp4_dequant="subnormal", block_m=64), (jnp.bfloat16, 32)),
+                       (dict(persistent=False, fp4_dequant="packed", block_m=64), (jnp.bfloat16, None))):
+        cfg = GroupedMatmulConfig(**{**dict(block_m=32, block_n=256, block_k=64, stages=3, consumers=2), **extra})
+        out_kw = {} if out is None else dict(out_dtype=out[0], act_block=out[1])
 
-        def run(x, w, gid, s, cfg=cfg):
+        def run(x, w, gid, s, cfg=cfg, out_kw=out_kw):
             plan, x_pk = tile_rows(x, gid, num_groups=g, block_m=cfg.block_m, fp4=fmt is WeightFormat.FP4)
-            return swiglu_tiles(plan, x_pk, w, s, w, s, jnp.ones(x_pk.shape[0]), limit=7.0, config=cfg)
+            return swiglu_tiles(plan, x_pk, w, s, w, s, jnp.ones(x_pk.shape[0]), limit=7.0, config=cfg, **out_kw)
         assert "mosaic_gpu" in jax.jit(run).trace(x, w, gid, s).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -45,6 +45,7 @@ product unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,10 +54,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_gemm import fp4_packed, fp8_operands
-from pallas_kernels.grouped_gemm.config import (GroupedMatmulConfig, WeightFormat, check_inputs,
-                                                kernel_unsupported_reason, row_major_shape, uses_e4m3_rows,
-                                                writes_rows)
+from pallas_kernels.grouped_gemm import act_quant, fp4_packed, fp8_operands
+from pallas_kernels.grouped_gemm.config import (SMEM_LIMIT_BYTES, GroupedMatmulConfig, WeightFormat, check_inputs,
+                                                kernel_unsupported_reason, row_major_shape, smem_bytes,
+                                                uses_e4m3_rows, writes_rows)
 from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, make_tile_plan, materialized, max_tiles,
                                               scatter_back, take_rows)
@@ -123,12 +124,14 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     n_weights: weight arrays of N rows each (same format and shape), run as one launch on the same x
     rows: y's columns are the first one's N, then the next one's. Column block nt reads weight
     nt // (N / block_n); the work of each block is what a launch on that weight alone does.
-    swiglu: (limit,) for the gate/up epilogue (``swiglu_unsupported_reason`` says when it runs): the
-    two weights are gate and up, column block nt covers output columns [nt*F, (nt+1)*F) with F =
-    block_n / 2, its weight tile being gate's rows of those columns, then up's. Consumer c holds the
+    swiglu: (limit, act_block) for the gate/up epilogue (``swiglu_unsupported_reason`` says when it
+    runs): the two weights are gate and up, column block nt covers output columns [nt*F, (nt+1)*F) with
+    F = block_n / 2, its weight tile being gate's rows of those columns, then up's. Consumer c holds the
     accumulators of gate's and up's rows [c*R, (c+1)*R) of the block (R = block_n / consumers / 2),
     each fed the same wgmmas in the same order as a launch on that weight alone, and writes
-    silu(min(gate, limit)) * clip(up, +-limit) * row_weight (limit None: no clamp) to y [T*block_m, N]."""
+    h = silu(min(gate, limit)) * clip(up, +-limit) * row_weight (limit None: no clamp) to y [T*block_m, N]:
+    float32 from registers, or (out_dtype bf16) h rounded to bf16 and, with act_block, put through the
+    FP8 activation quantizer per act_block columns (``act_quant.py``), sent from shared memory by TMA."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_cons = cfg.consumers
     wg_rows = bn // n_cons
@@ -136,10 +139,12 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     piece_rows = wg_rows // n_pieces
     feat = bn // n_pieces                       # rows of one weight per column block
     if swiglu is not None:
-        why = swiglu_unsupported_reason(cfg, fmt)
-        if n_weights != 2 or jnp.dtype(out_dtype) != jnp.float32 or why is not None:
-            raise ValueError(f"the swiglu epilogue needs two weights, float32 out and a config that passes "
-                             f"swiglu_unsupported_reason; got {n_weights} weights, {jnp.dtype(out_dtype)}: {why}")
+        why = swiglu_unsupported_reason(cfg, fmt, out_dtype, swiglu[1])
+        if n_weights != 2 or why is not None:
+            raise ValueError(f"the swiglu epilogue needs two weights and a config that passes "
+                             f"swiglu_unsupported_reason; got {n_weights} weights: {why}")
+    # the swiglu's bf16 rows go through shared memory: [block_m, R] of h^T a consumer, then TMA
+    staged_rows = swiglu is not None and jnp.dtype(out_dtype) == jnp.bfloat16
     n_steps = k // bk
     quant = fmt is not WeightFormat.BF16
     bk_bytes = bk // 2 if fmt is WeightFormat.FP4 else bk       # weight bytes (elements for bf16) per row
@@ -456,14 +461,30 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     acc = accs[0]
                 if swiglu is not None:
                     # silu(min(g, limit)) * clip(u, +-limit) * row weight, in moe.swiglu's order
-                    (limit,), (g, up) = swiglu, accs
+                    (limit, act_block), (g, up) = swiglu, accs
                     if limit is not None:
                         up = jnp.clip(up, -limit, limit)
                         g = jnp.minimum(g, limit)
                     row_w = plgpu.load(wp_ref.at[pl.ds(t * bm, bm)], layout=col_layout, optimized=False)
                     h = jax.nn.silu(g) * up * lax.broadcast_in_dim(row_w, (piece_rows, bm), [1])
                     y_blk = y_ref.at[pl.ds(t * bm, bm), pl.ds(nt * feat + half * piece_rows, piece_rows)]
-                    y_blk.T[...] = plgpu.layout_cast(h.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                    h_t = plgpu.layout_cast(h.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                    if not staged_rows:
+                        y_blk.T[...] = h_t
+                        return
+                    # h^T into shared memory (a thread writes two adjacent columns of a token row), read
+                    # back token-major: in the WGMMA layout a row's act_block columns are 4 lanes', so the
+                    # quantizer's block maxima need no exchange between warps
+                    buf = o_smem.at[half]
+                    if cfg.persistent:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last item's store has read buf
+                    buf.T[...] = h_t
+                    plgpu.commit_smem()
+                    if act_block is not None:
+                        rows_bf16 = plgpu.load(buf, layout=plgpu.Layout.WGMMA, optimized=False)
+                        buf[...] = act_quant.fake_quant_blocks(rows_bf16.astype(jnp.float32), act_block)
+                        plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(buf, y_blk)
                     return
                 if out_rows:
                     # Straight from registers into y [P, N]: in the transposed WGMMA layout each thread
@@ -480,7 +501,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                                                                    pl.ds(t * bm, bm)])
 
             for_each_item(compute)
-            if not out_rows:
+            if staged_rows or not out_rows:
                 plgpu.wait_smem_to_gmem(0)
 
         run_warpgroups(consumer, [producer], consumers=n_cons)
@@ -492,9 +513,12 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     # dequantized A, staged in SMEM: a_bufs blocks of each piece
     a_shape = (n_cons, a_bufs * n_pieces, piece_rows, SCALE_BLOCK) if a_staged else (1, 1, 8, 32)
     a_dtype, a_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(64, 2))
-    # the TMA-stored y^T tiles; out_rows stores from registers (unused placeholder)
-    o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
-    out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
+    # the TMA-stored y^T tiles, or the swiglu's bf16 rows; out_rows stores from registers (unused placeholder)
+    if staged_rows:
+        o_shape, out_transforms = (n_cons, bm, piece_rows), ()
+    else:
+        o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
+        out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
     scratch = (
         (plgpu.SMEM((stages, bm, bk), x_dtype, transforms=x_transforms),
          plgpu.SMEM((stages, bn, bk_bytes), w_dtype, transforms=w_transforms),
@@ -513,7 +537,7 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
 
     grid, grid_names = ((n_ctas,), ("c",)) if cfg.persistent else ((n_blocks, num_tiles), ("n", "t"))
     n_out = n if swiglu is not None else n_weights * n
-    out_shape = (num_tiles * bm, n_out) if out_rows else (n_out, num_tiles * bm)
+    out_shape = (num_tiles * bm, n_out) if out_rows or staged_rows else (n_out, num_tiles * bm)
     return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=grid, grid_names=grid_names, num_threads=n_cons + 1, thread_name="wg")
 
@@ -674,25 +698,59 @@ def grouped_matmul_tiles(plan: TilePlan, x_pk: jax.Array | E4m3Rows, w: jax.Arra
     return y if writes_rows(config, out_dtype) else y.T
 
 
-def swiglu_unsupported_reason(config: GroupedMatmulConfig, fmt: WeightFormat) -> str | None:
-    """Why ``swiglu_tiles`` cannot run with this config and weight format, or None if it can. Each
-    consumer holds two [block_n / consumers / 2, block_m] accumulators (gate's rows and up's), each a
-    whole number of 64-row wgmma granules, and writes float32 rows from them; the E4M3 operand form's
-    per-block float32 sums are not built for two accumulators."""
+def swiglu_unsupported_reason(config: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.float32,
+                              act_block: int | None = None) -> str | None:
+    """Why ``swiglu_tiles`` cannot run with this config, weight format, output dtype and quantizer block,
+    or None if it can. Each consumer holds two [block_n / consumers / 2, block_m] accumulators (gate's
+    rows and up's), each a whole number of 64-row wgmma granules; the E4M3 operand form's per-block
+    float32 sums are not built for two accumulators. float32 h is written from registers (``out_rows``);
+    bf16 h is read back from shared memory token-major in the WGMMA layout (64-row granules of
+    block_m), its quantizer blocks whole column granules of a consumer's columns."""
+    dtype = jnp.dtype(out_dtype)
+    piece_rows = config.block_n // config.consumers // 2
     if (config.block_n // config.consumers) % 128:
         return f"block_n / consumers = {config.block_n // config.consumers} is not a multiple of 128"
     if uses_e4m3_rows(config, fmt):
         return "the E4M3 operand form (fp4_operands / fp8_operands 'e4m3') has no swiglu epilogue"
-    if not config.out_rows:
-        return "out_rows=False (the y^T form) has no swiglu epilogue"
+    if dtype == jnp.float32:
+        if act_block is not None:
+            return "the quantizer (act_block) needs bf16 out"
+        if not config.out_rows:
+            return "out_rows=False (the y^T form) has no swiglu epilogue"
+        return None
+    if dtype != jnp.bfloat16:
+        return f"out_dtype {dtype} is not float32 or bfloat16"
+    if config.block_m % 64:
+        return f"bf16 out reads h back in 64-row granules; block_m={config.block_m} is not a multiple of 64"
+    if act_block is not None and (act_block % 8 or piece_rows % act_block):
+        return (f"act_block={act_block} does not split a consumer's {piece_rows} columns into whole "
+                "8-column granules")
+    # the ring and staging as with float32 rows out, plus the consumers' [block_m, block_n / consumers / 2] bf16 rows
+    used = smem_bytes(dataclasses.replace(config, out_rows=True), fmt, jnp.float32) + config.block_m * config.block_n
+    if used > SMEM_LIMIT_BYTES:
+        return f"bf16 out needs {used} B of shared memory, more than the {SMEM_LIMIT_BYTES} B a CTA may use"
     return None
+
+
+def swiglu_config(config: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.float32,
+                  act_block: int | None = None) -> GroupedMatmulConfig | None:
+    """``config`` with as many pipeline stages (<= its own, >= 2) as leave room for the swiglu epilogue's
+    output form, or None where ``swiglu_unsupported_reason`` refuses it for a reason other than shared
+    memory. Stages change the speed, never the bits. (The engine's 128 x 256 x 64 prefill tile has 8
+    stages; its bf16 rows need 32 KB beside them, which 7 leave.)"""
+    while (why := swiglu_unsupported_reason(config, fmt, out_dtype, act_block)) is not None:
+        if "shared memory" not in why or config.stages <= 2:
+            return None
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    return config
 
 
 def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.Array | None, w3: jax.Array,
                  w3_scale: jax.Array | None, row_weight_p: jax.Array, *, limit: float | None,
-                 config: GroupedMatmulConfig = GroupedMatmulConfig(), scales_prepared: bool = False) -> jax.Array:
+                 config: GroupedMatmulConfig = GroupedMatmulConfig(), scales_prepared: bool = False,
+                 out_dtype=jnp.float32, act_block: int | None = None) -> jax.Array:
     """An expert FFN's gate/up GEMMs and its SwiGLU in one launch on ``tile_rows`` / ``retile`` rows
-    -> h [T*block_m, N] float32 in tile order:
+    -> h [T*block_m, N] in tile order:
 
         h = silu(min(x . w1^T, limit)) * clip(x . w3^T, -limit, limit) * row_weight_p[:, None]
 
@@ -702,17 +760,26 @@ def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.A
     never written (2 x 4 bytes a row and column, read back once). Its bits may differ from XLA's
     elementwise ops on a GPU (exp's rounding); they are still a function of the row alone.
     row_weight_p: float32 [T*block_m], 0 on padding rows (their h is then 0). Unused tiles are not
-    written. The config must pass ``swiglu_unsupported_reason``. (float32 only: a bf16 row store from
-    the accumulator layout writes 16-byte runs, half a sector, which Mosaic GPU after jax 0.11 refuses.)"""
+    written. The config must pass ``swiglu_unsupported_reason``.
+
+    out_dtype float32: h as computed. bfloat16: h rounded to bf16 and, with act_block, quantized as
+    the model's ``act_quant`` does (FP8 E4M3, a power-of-two scale per act_block columns; ``act_quant.py``).
+    These are the bf16 values the next GEMM reads: 2 bytes a value written, where float32 h took 4 and
+    XLA's quantizer pass read them back. (A bf16 row store straight from the accumulator layout would write
+    16-byte runs, half a sector, which Mosaic GPU after jax 0.11 refuses: these rows go through
+    shared memory.)"""
+    if act_block is not None and jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError("swiglu_tiles: act_block (the quantizer) needs out_dtype=bfloat16")
     fmt, ws, ss = _tiles_operands(plan, x_pk, w1, w1_scale, ((w3, w3_scale),), config, scales_prepared,
                                   jnp.float32, "swiglu_tiles")
-    if (why := swiglu_unsupported_reason(config, fmt)) is not None:
+    if (why := swiglu_unsupported_reason(config, fmt, out_dtype, act_block)) is not None:
         raise ValueError(f"swiglu_tiles cannot run this config: {why}")
     if row_weight_p.shape != (x_pk.shape[0],):
         raise ValueError(f"row_weight_p must be [{x_pk.shape[0]}] (one weight a padded row), got "
                          f"{row_weight_p.shape}")
     return _run_kernel(plan.tile_group, x_pk, ws, ss, row_weight_p.astype(jnp.float32), fmt=fmt, config=config,
-                       out_dtype=jnp.float32, swiglu=(None if limit is None else float(limit),))
+                       out_dtype=jnp.dtype(out_dtype),
+                       swiglu=(None if limit is None else float(limit), act_block))
 
 
 def _tiles_operands(plan: TilePlan, x_pk, w, w_scale, more, config: GroupedMatmulConfig, scales_prepared: bool,
