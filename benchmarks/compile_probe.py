@@ -143,8 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--swiglu-epilogue", default="on", choices=("on", "off"),
                     help="off: the routed experts' SwiGLU in XLA after the w1/w3 launch, not in its epilogue "
                     "(Numerics.expert_swiglu_epilogue)")
-    ap.add_argument("--attention-schedule", default="halves", choices=("halves", "seesaw", "seesaw-prefill"),
+    ap.add_argument("--attention-schedule", default="seesaw-prefill", choices=("halves", "seesaw", "seesaw-prefill"),
                     help="Numerics.attention_schedule (the bf16 attention kernel's schedule)")
+    ap.add_argument("--swiglu-quant", default="off", choices=("on", "off"),
+                    help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant)")
     ap.add_argument("--pdl", action="store_true",
                     help="Numerics.kernel_pdl: the Mosaic GPU kernels under programmatic dependent launch")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -178,7 +180,8 @@ def main(argv=None) -> int:
                                    attention_fp4_rows=args.attention_fp4_rows,
                                    expert_w13_launch=args.w13_launch == "on", kernel_pdl=args.pdl,
                                    expert_swiglu_epilogue=args.swiglu_epilogue == "on",
-                                   attention_schedule=args.attention_schedule)
+                                   attention_schedule=args.attention_schedule,
+                                   expert_swiglu_quant=args.swiglu_quant == "on")
     if args.dense_kernel is not None:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears is not None:

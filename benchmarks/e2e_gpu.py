@@ -45,9 +45,13 @@ Sections:
   variant, each the defaults with one thing set back to its form before 2026-12-06: ``fp4-rows-split320``
   (the attention kernel's FP4 variant with two splits a query, ``Numerics.attention_fp4_rows="always"``,
   ``attention_prefill_split_rows=0``), ``fp4-rows`` or ``split320`` (one of the two), ``f32-dense`` (the
-  dense linears as a float32 dot + convert, ``dense_bf16_out=False``), or ``seesaw`` (the other way:
-  the attention kernel's seesaw schedule in prefill, ``Numerics.attention_schedule="seesaw-prefill"``):
-  to compare with the prefill section's replay-off row on the same machine.
+  dense linears as a float32 dot + convert, ``dense_bf16_out=False``), ``halves`` (the attention
+  kernel's schedule before session 34, ``Numerics.attention_schedule="halves"``; the split320 variants
+  take it too: the seesaw needs whole pairs of 64-row blocks) or ``seesaw`` (the default since session
+  34, ``"seesaw-prefill"``): to compare with the prefill section's replay-off row on the same machine.
+* pswigluq: the prefill of the last --prompts length at the first --chunk, replay off, with the other
+  setting of ``Numerics.expert_swiglu_quant`` (the activation quantizer of h in the SwiGLU epilogue, or
+  in XLA after it; ``--swiglu-quant`` sets the run's own): the A/B against the prefill section's row.
 * ptopk: the prefill of the last --prompts length at the first --chunk, replay off, with the indexer's
   bisection top-k on whole rows (``without_topk_prefilter``: no candidate list): the A/B of
   ``select_on_candidates`` against the prefill section's replay-off rows, in the same process (the
@@ -932,7 +936,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
-            "pswiglu", "nographs",
+            "pswiglu", "pswigluq", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -977,6 +981,9 @@ def main(argv=None):
     ap.add_argument("--swiglu-epilogue", default="on", choices=("on", "off"),
                     help="off: the routed experts' SwiGLU in XLA after the w1/w3 launch, not in its epilogue "
                     "(Numerics.expert_swiglu_epilogue)")
+    ap.add_argument("--swiglu-quant", default=None, choices=("on", "off"),
+                    help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant; "
+                    "default: the Numerics default)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -1054,6 +1061,8 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, expert_operands=args.expert_operands)
     numerics = dataclasses.replace(numerics, expert_w13_launch=args.w13_launch == "on",
                                    expert_swiglu_epilogue=args.swiglu_epilogue == "on")
+    if args.swiglu_quant:
+        numerics = dataclasses.replace(numerics, expert_swiglu_quant=args.swiglu_quant == "on")
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1071,6 +1080,8 @@ def main(argv=None):
     RESULTS["expert_operands"] = numerics.expert_operands
     RESULTS["expert_w13_launch"] = numerics.expert_w13_launch
     RESULTS["expert_swiglu_epilogue"] = numerics.expert_swiglu_epilogue
+    RESULTS["expert_swiglu_quant"] = numerics.expert_swiglu_quant
+    RESULTS["attention_schedule"] = numerics.attention_schedule
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
         with_y_transposed()
@@ -1152,11 +1163,13 @@ def main(argv=None):
         for i, c in enumerate(chunks):
             section("prefill" if i == 0 else f"prefill-chunk{c}", run_prefill, out, m, numerics, prompts, c, replay)
     if "pattn" in want:   # A/B of the attention kernel's prefill form against the prefill section's rows
-        variants = {"fp4-rows-split320": dict(attention_fp4_rows="always", attention_prefill_split_rows=0),
+        variants = {"fp4-rows-split320": dict(attention_fp4_rows="always", attention_prefill_split_rows=0,
+                                              attention_schedule="halves"),
                     "fp4-rows": dict(attention_fp4_rows="always"),
-                    "split320": dict(attention_prefill_split_rows=0),
+                    "split320": dict(attention_prefill_split_rows=0, attention_schedule="halves"),
                     "f32-dense": dict(dense_bf16_out=False),
-                    "seesaw": dict(attention_schedule="seesaw-prefill")}
+                    "seesaw": dict(attention_schedule="seesaw-prefill"),
+                    "halves": dict(attention_schedule="halves")}
         for label in args.pattn.split(","):
             change = variants[label]
             section(f"prefill-attn-{label}", run_prefill, out, m, dataclasses.replace(numerics, **change),
@@ -1177,6 +1190,11 @@ def main(argv=None):
         other = not numerics.expert_swiglu_epilogue
         label = "swiglu-epilogue" if other else "swiglu-xla"
         section(f"prefill-{label}", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_epilogue=other),
+                prompts[-1:], chunks[0], (False,), label)
+    if "pswigluq" in want:   # A/B of h's quantizer in the SwiGLU epilogue against the prefill section's rows
+        other = not numerics.expert_swiglu_quant
+        label = "swiglu-quant-kernel" if other else "swiglu-quant-xla"
+        section(f"prefill-{label}", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_quant=other),
                 prompts[-1:], chunks[0], (False,), label)
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)

@@ -277,13 +277,15 @@ def test_attention_numerics_per_program_and_validation():
     gather = dataclasses.replace(nq, attention_fp4_rows="gather-decode")
     assert (gather.for_program("decode").attention_fp4_rows, gather.for_program("prefill").attention_fp4_rows) == \
         ("gather", "never")
-    same = dataclasses.replace(default, attention_prefill_split_rows=0)
+    same = dataclasses.replace(default, attention_prefill_split_rows=0, attention_schedule="halves")
     assert same.for_program("prefill").attention_split_rows == same.attention_split_rows == 320
-    assert default.attention_schedule == "halves"
-    seesaw = dataclasses.replace(default, attention_schedule="seesaw-prefill")   # the decode split 320 is 5 blocks
+    seesaw = default     # "seesaw-prefill" by default (the decode split 320 is 5 blocks)
+    assert seesaw.attention_schedule == "seesaw-prefill"
     assert seesaw.for_program("prefill").kernel_attention_schedule() == "seesaw"
     assert seesaw.for_program("decode").kernel_attention_schedule() == "halves"
     assert seesaw.kernel_attention_schedule() == "halves"    # outside the engine's programs
+    with pytest.raises(ValueError, match="multiple of 128"):    # the prefill split must hold whole pairs
+        dataclasses.replace(default, attention_prefill_split_rows=0)
     for bad in (dict(attention_fp4_rows="prefill"), dict(attention_split_rows=0), dict(attention_split_rows=100),
                 dict(attention_prefill_split_rows=-64), dict(attention_prefill_split_rows=96),
                 dict(attention_schedule="pairs"), dict(attention_schedule="seesaw"),
@@ -466,6 +468,40 @@ def test_swiglu_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg):
     assert calls == {(64, True): [1], (64, False): [], (5, True): [], (5, False): []}
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_swiglu_quantizer_in_the_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg, monkeypatch):
+    """``Numerics.expert_swiglu_quant`` (default off until timed): with 64-row tiles (the form needs
+    them; the interpreter's are raised to 64 here) the epilogue launch writes w2's bf16 rows, through
+    the FP8 quantizer where fake_quant is on and the bf16 rounding alone where it is off; the routed
+    experts' output has the bits of the float32 epilogue + XLA's quantizer either way."""
+    import dataclasses
+
+    from pallas_kernels.grouped_gemm import kernel as gg_kernel
+
+    monkeypatch.setattr(moe_module, "INTERPRET_BLOCK_M", 64)
+    rng = np.random.default_rng(13)
+    p = _moe_layer(rng, 256, 256, 4)
+    experts = moe_module.prepare_experts_tile_major(moe_module.prepare_expert_scales(p))["experts"]
+    x = jnp.asarray(rng.standard_normal((192, 256)), jnp.bfloat16)     # 384 routed rows: <= 1.5x padded
+    ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
+    assert not Numerics.reference().expert_swiglu_quant
+    for fake_quant in (True, False):
+        outs, calls = {}, {}
+        for on in (True, False):
+            seen = calls[on] = []
+            with pytest.MonkeyPatch.context() as mp:
+                real = gg_kernel.swiglu_tiles
+                mp.setattr(gg_kernel, "swiglu_tiles", lambda *a, **kw: seen.append(
+                    (str(jnp.dtype(kw.get("out_dtype", jnp.float32))), kw.get("act_block"))) or real(*a, **kw))
+                num = Numerics("bfloat16", fake_quant, False, expert_swiglu_quant=on)
+                outs[on] = np.asarray(jax.block_until_ready(jax.jit(
+                    lambda xm, num=num: moe_module.routed_experts_grouped(
+                        experts, xm, ids, w, 10.0, num, 32, "interpret"))(x)))
+        assert calls == {True: [("bfloat16", 32 if fake_quant else None)], False: [("float32", None)]}
+        assert np.array_equal(outs[True], outs[False]), fake_quant
+        assert float(np.abs(outs[True]).max()) > 0.1
+
+
 def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     """``Numerics.expert_operands``: "e4m3" runs the FP4 experts' kernel on E4M3 operands (interpreter)
     within float32 rounding of the bf16 form (same products: the activations are FP8 values); the shared
@@ -496,7 +532,7 @@ def test_e4m3_expert_operands_in_gpu_interpreter_and_per_program(tiny_cfg):
     assert split.for_program("decode").expert_operands == "e4m3"
     assert split.for_program("prefill").expert_operands == "bf16"
     # nothing left for for_program to resolve
-    resolved = dataclasses.replace(nq8, attention_fp4_rows="always", dense_kernel="on")
+    resolved = dataclasses.replace(nq8, attention_fp4_rows="always", dense_kernel="on", attention_schedule="halves")
     assert resolved.for_program("decode") is resolved
     assert Numerics.reference().expert_operands == "e4m3-decode"                    # the default
     assert Numerics.exact().for_program("decode").expert_operands == "bf16"        # no FP8 activations

@@ -13,7 +13,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.hash_routing import hash_route
 from deepinfer_jax.model.linear import (act_quant, act_quant_rows, dense, dequant_fp4, dot_f32, quant_linear,
                                          quant_linear_pair)
-from deepinfer_jax.model.numerics import Numerics, kernel_route
+from deepinfer_jax.model.numerics import Numerics, fit_block, kernel_route
 from pallas_kernels.topk.xla import topk_desc_rows
 
 
@@ -298,6 +298,9 @@ def _grouped_unsupported(p_exp: dict, numerics: Numerics, m_rows: int,
     return None, None
 
 
+INTERPRET_BLOCK_M = 16   # the interpreter's tile rows (tests of forms that need 64-row tiles raise it)
+
+
 def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
                            numerics: Numerics, act_block: int, impl: str | None = None,
                            tiled: bool = True) -> jax.Array:
@@ -321,8 +324,8 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
     if interpret:
         # The interpreter's wgmma reads shared memory only: stage the dequantized tile there; small
         # tiles keep the interpreter fast (same 16-wide K order, so the same row results).
-        tiny = GroupedMatmulConfig(block_m=16, block_n=128, block_k=64, stages=2, a_from_registers=False,
-                                   fp4_operands=_fp4_operands(numerics, act_block))
+        tiny = GroupedMatmulConfig(block_m=INTERPRET_BLOCK_M, block_n=128, block_k=64, stages=2,
+                                   a_from_registers=False, fp4_operands=_fp4_operands(numerics, act_block))
         # (tile-major weights fix block_n; the 64-wide K steps read half of each layout tile)
         cfgs = {name: dataclasses.replace(tiny, block_n=tile_major_tile(p_exp[name]["weight_tm"])[0],
                                           weights_tile_major=True)
@@ -380,7 +383,7 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
     only its result is gathered back. Every row meets the same kernel, tiles and elementwise ops as on
     the per-GEMM path, so the bits are the same (tests/test_kernel_wiring.py)."""
     from pallas_kernels.grouped_gemm.config import uses_e4m3_rows
-    from pallas_kernels.grouped_gemm.kernel import (gather_kernel_rows, grouped_matmul_tiles, retile,
+    from pallas_kernels.grouped_gemm.kernel import (gather_kernel_rows, grouped_matmul_tiles, retile, swiglu_config,
                                                     swiglu_tiles, swiglu_unsupported_reason, tile_rows, untile_rows)
 
     m, k = w_mk.shape
@@ -428,16 +431,25 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         x2_pk = gather_kernel_rows(retile(x2_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
         w_p = jnp.take(w_mk.reshape(m * k), plan.row_src, mode="fill", fill_value=0)
-        if alike and numerics.expert_swiglu_epilogue and swiglu_unsupported_reason(cfgs["w1"], fmts["w1"]) is None:
-            # w1, w3 and the swiglu times w_p in one launch: g and u never leave the kernel
-            # (float32 rows: a bf16 row store from the accumulator layout fills half of each 32-byte
-            # sector, which newer Mosaic GPU refuses)
-            hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit,
-                                                       config=cfgs["w1"], scales_prepared=prepared1), interpret)
+        epilogue = (alike and numerics.expert_swiglu_epilogue
+                    and swiglu_unsupported_reason(cfgs["w1"], fmts["w1"]) is None)
+        # the quantizer in the epilogue too: h leaves the launch as w2's bf16 rows
+        q_block = fit_block(_weight_shape(p_exp["w1"])[1], act_block) if numerics.fake_quant else None
+        q_cfg = (swiglu_config(cfgs["w1"], fmts["w1"], jnp.bfloat16, q_block)
+                 if epilogue and numerics.expert_swiglu_quant and numerics.dtype == jnp.bfloat16 else None)
+        if q_cfg is not None:
+            hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit, config=q_cfg,
+                                                       scales_prepared=prepared1, out_dtype=jnp.bfloat16,
+                                                       act_block=q_block), interpret)
         else:
-            g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)
-            hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
-        hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
+            if epilogue:
+                # w1, w3 and the swiglu times w_p in one launch: g and u never leave the kernel
+                hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit,
+                                                           config=cfgs["w1"], scales_prepared=prepared1), interpret)
+            else:
+                g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)
+                hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
+            hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
         x2_pk = retile(hid_pn, fp4=fp4["w2"], e4m3=e4m3["w2"])
     y_pn = _interpreted(lambda: run(x2_pk, "w2"), interpret)
     return untile_rows(y_pn, plan, jnp.float32).reshape(m, k, -1)

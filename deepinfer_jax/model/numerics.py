@@ -115,6 +115,19 @@ class Numerics:
     # ops after it (untraced).
     # False: the w13 launch and XLA's SwiGLU everywhere.
     expert_swiglu_epilogue: bool = True
+    # With expert_swiglu_epilogue: the launch also rounds h to bf16 and runs the activation quantizer
+    # in front of w2 (``swiglu_tiles(..., out_dtype=bf16, act_block=)``, FP8 E4M3 per 32 columns), so h
+    # leaves the kernel as the bf16 values w2 reads: 2 bytes a value written instead of 4, and no XLA
+    # pass reading float32 h back (the 4-layer H100 32k prefill trace of session 32: 8.6 of 356 ms in
+    # that pass, plus the float32 writes). The same bits as the XLA quantizer (CPU interpreter test;
+    # its arithmetic is exact or correctly rounded on both sides, ``grouped_gemm/act_quant.py``). Needs
+    # 64-row tiles or larger and 32-column blocks (V4.1), and one pipeline stage fewer where the staged
+    # rows would not fit beside eight (``swiglu_config``). On the H100 (session 34, 8192 x 6,
+    # ``grouped_gemm_gpu.py --swiglu``): the same bits as the float32 epilogue + XLA's quantizer, 5.50
+    # against 5.65 ms for h as w2 reads it (0.973x; the extra epilogue work and the lost stage take back
+    # most of the ~0.55 ms XLA pass). Off until the end-to-end A/B shows the gain (NOTES item -34(c)):
+    # ``e2e_gpu.py --sections pswigluq`` (its first run was cut off by the call's time).
+    expert_swiglu_quant: bool = False
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel
@@ -174,9 +187,11 @@ class Numerics:
     # "halves" (every block through both consumer warpgroups), "seesaw" (blocks in pairs, one consumer a
     # block for q.k; other roundings, still batch-invariant; needs the split a multiple of 128) or
     # "seesaw-prefill" ("seesaw" in the engine's prefill programs, "halves" in decode ones and outside
-    # the engine's programs). Untimed end to end: "halves" stays the default until a GPU A/B
-    # (``benchmarks/e2e_gpu.py --sections pattn --pattn seesaw``).
-    attention_schedule: str = "halves"
+    # the engine's programs). On the H100 (session 34): a 1,024-query prefill call at split 640 428 us
+    # against 605 (0.71x); the 4-layer 32k prefill at chunk 16384 94,260 against 91,592 tok/s (+2.9 %,
+    # ``e2e_gpu.py --sections pattn --pattn seesaw``; NOTES item -34). Decode stays "halves": its split
+    # 320 is 5 blocks, and its cache is read by the FP4 variant.
+    attention_schedule: str = "seesaw-prefill"
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
