@@ -515,7 +515,9 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
     a_dtype, a_transforms = (jnp.float8_e4m3fn, tiled(32, 1)) if e4m3 else (jnp.bfloat16, tiled(64, 2))
     # the TMA-stored y^T tiles, or the swiglu's bf16 rows; out_rows stores from registers (unused placeholder)
     if staged_rows:
-        o_shape, out_transforms = (n_cons, bm, piece_rows), ()
+        # swizzled rows of R bf16 values: the token-major load and the store back become ldmatrix /
+        # stmatrix (unswizzled, each was an 8-way bank conflict: 128-byte rows, 8 tokens a warp access)
+        o_shape, out_transforms = (n_cons, bm, piece_rows), tiled(piece_rows * 2, 2)
     else:
         o_shape = (1, 8, 32) if out_rows else (n_cons, wg_rows, bm)
         out_transforms = () if out_rows else tiled(plgpu.find_swizzle(bm * out_itemsize * 8, "out"), out_itemsize)
