@@ -373,6 +373,9 @@ def test_top_mask_is_the_sorts_first_k_less_unreachable(k):
         want[i, picks[picks >= 0]] = True
     np.testing.assert_array_equal(got.reshape(rows.shape), want)
     assert got.sum() > 0 and not got.all()
+    # k >= S keeps every reachable score by one compare: no bisection passes (reductions) are traced
+    reduces = [e for e in jax.make_jaxpr(lambda s: top_mask(s, k))(x).eqns if "reduce" in e.primitive.name]
+    assert (not reduces) == (k >= 48), (k, reduces)
 
 
 @pytest.mark.parametrize("k", [1, 2, 6, 8])
