@@ -145,6 +145,8 @@ def main(argv=None) -> int:
                     "(Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--attention-schedule", default="seesaw-prefill", choices=("halves", "seesaw", "seesaw-prefill"),
                     help="Numerics.attention_schedule (the bf16 attention kernel's schedule)")
+    ap.add_argument("--decode-index-kernel", default="off", choices=("on", "off"),
+                    help="on: decode steps' index scores on the Pallas decode kernel (Numerics.decode_index_kernel)")
     ap.add_argument("--swiglu-quant", default="off", choices=("on", "off"),
                     help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant)")
     ap.add_argument("--pdl", action="store_true",
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
                                    expert_w13_launch=args.w13_launch == "on", kernel_pdl=args.pdl,
                                    expert_swiglu_epilogue=args.swiglu_epilogue == "on",
                                    attention_schedule=args.attention_schedule,
-                                   expert_swiglu_quant=args.swiglu_quant == "on")
+                                   expert_swiglu_quant=args.swiglu_quant == "on",
+                                   decode_index_kernel=args.decode_index_kernel == "on")
     if args.dense_kernel is not None:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears is not None:

@@ -72,6 +72,9 @@ Sections:
 * w13two: the decode row at --profile-batch and the first context with the routed experts' w1 and w3
   as two grouped GEMM launches (``Numerics.expert_w13_launch=False``) instead of one: the A/B on one
   machine (same bits).
+* decidx: the decode row at --profile-batch and the first context with the other setting of
+  ``Numerics.decode_index_kernel`` (a decode step's index scores on the Pallas decode kernel, or XLA's
+  dot and head-sum fusion): the A/B on one machine (other bits: the first-step digests may differ).
 * pdl: the decode row at --profile-batch and the first context with the Mosaic GPU kernels (grouped
   GEMM, attention, Sinkhorn) under programmatic dependent launch (``Numerics.kernel_pdl``): the A/B on
   one machine (same bits: the first step's token digest must match the decode row's).
@@ -936,7 +939,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
-            "pswiglu", "pswigluq", "nographs",
+            "pswiglu", "pswigluq", "decidx", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -1136,6 +1139,10 @@ def main(argv=None):
     if "w13two" in want:   # A/B of Numerics.expert_w13_launch against the decode section's row
         section("w13-two-launches-decode", run_decode, out, m, dataclasses.replace(numerics, expert_w13_launch=False),
                 [args.profile_batch], contexts[:1], max_len, "w13-two-launches")
+    if "decidx" in want:   # A/B of Numerics.decode_index_kernel against the decode section's row
+        section("decode-index-kernel", run_decode, out, m,
+                dataclasses.replace(numerics, decode_index_kernel=not numerics.decode_index_kernel),
+                [args.profile_batch], contexts[:1], max_len, "decode-index-kernel")
     if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
         section("pdl-decode", run_decode, out, m, dataclasses.replace(numerics, kernel_pdl=True),
                 [args.profile_batch], contexts[:1], max_len, "kernel-pdl")

@@ -12,6 +12,13 @@ against a dense bf16 matmul measured here, and checks (exit 1 on a failure):
 * the kernel against the float32 reference within 1e-5 of the largest score (fp32 summation order);
 * a batch row alone == the same row in a batch of 2, bitwise;
 * the scores of visible keys with tile skipping == without, bitwise.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/indexer_gpu.py --decode   # the decode kernel
+
+runs the decode kernel (``decode.index_scores_decode_pallas``: one query a batch row, B = 64 over S keys,
+32 and 64 heads) instead: the same three checks (reference, a row alone against in the batch, visible
+scores with tiles skipped), then its ms against the XLA path's and the bytes it must read (the keys)
+over its time, as a fraction of a copy's bandwidth measured here.
 """
 
 from __future__ import annotations
@@ -38,14 +45,59 @@ def dense_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / median_ms(f, a) / 1e9
 
 
-def inputs(key, b: int, t: int, s: int):
+def inputs(key, b: int, t: int, s: int, heads: int = H):
     kq, kk, kw = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (b, t, H, D), jnp.bfloat16), jax.random.normal(kk, (b, s, D), jnp.bfloat16),
-            jax.random.normal(kw, (b, t, H), jnp.float32))
+    return (jax.random.normal(kq, (b, t, heads, D), jnp.bfloat16), jax.random.normal(kk, (b, s, D), jnp.bfloat16),
+            jax.random.normal(kw, (b, t, heads), jnp.float32))
+
+
+def copy_tb_s(n_bytes: int = 1 << 30) -> float:
+    """Read + write bandwidth of a device copy (TB/s), timed as the kernels are."""
+    a = jnp.ones((n_bytes // 4,), jnp.float32)
+    return 2 * n_bytes / median_ms(jax.jit(lambda a: a + 1), a) / 1e9
+
+
+def decode_main(args) -> int:
+    from pallas_kernels.indexer.decode import index_scores_decode_pallas
+
+    b, keys = 64, [int(v) for v in args.keys.split(",")]
+    kern = jax.jit(index_scores_decode_pallas)
+    res = dict(jax=jax.__version__, device=str(jax.devices()[0]), copy_tb_s=copy_tb_s(), rows=[], checks={})
+    print(f"{res['device']}; jax {res['jax']}; copy {res['copy_tb_s']:.2f} TB/s", flush=True)
+    ok = True
+    for h in (32, 64):
+        q, k, w = inputs(jax.random.key(h), b, 1, keys[0], heads=h)
+        n_vis = jnp.arange(b, dtype=jnp.int32) * (keys[0] // b) + 1
+        full = np.asarray(kern(q[:, 0], k, w[:, 0], None))
+        ref = np.asarray(index_scores_reference(q, k, w))[:, 0]
+        err = float(np.abs(full - ref).max() / np.abs(ref).max())
+        alone = np.asarray(kern(q[5:6, 0], k[5:6], w[5:6, 0], None))
+        skipped = np.asarray(kern(q[:, 0], k, w[:, 0], n_vis))
+        visible = np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None]
+        checks = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[5:6])),
+                      skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])))
+        res["checks"][f"heads{h}"] = checks
+        ok &= err < 1e-5 and checks["batch_invariant"] and checks["skip_keeps_visible_bits"]
+        print(f"checks, {h} heads: {checks}", flush=True)
+        xla = jax.jit(lambda q, k, w: index_scores_xla(q, k, w))
+        for s in keys:
+            q, k, w = inputs(jax.random.key(s + h), b, 1, s, heads=h)
+            ms = median_ms(kern, q[:, 0], k, w[:, 0], None)
+            xla_ms = median_ms(xla, q, k, w)
+            frac = b * s * D * 2 / ms / 1e9 / res["copy_tb_s"]
+            row = dict(heads=h, keys=s, kernel_ms=ms, xla_ms=xla_ms, speedup_vs_xla=xla_ms / ms, copy_fraction=frac)
+            res["rows"].append(row)
+            print(f"decode B={b} H={h} S={s:6d}: kernel {ms * 1e3:7.1f} us, XLA {xla_ms * 1e3:7.1f} us "
+                  f"({xla_ms / ms:.2f}x), keys read at {frac:.0%} of copy", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "indexer_gpu_decode.json").write_text(json.dumps(res, indent=1))
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decode", action="store_true", help="the decode kernel (B = 64, one query a row)")
     ap.add_argument("--queries", type=int, default=2048)
     ap.add_argument("--keys", default="8192,32784")
     ap.add_argument("--configs", default="128x3,64x4", help="block_s x stages, comma-separated")
@@ -57,6 +109,13 @@ def main(argv=None) -> int:
         from pallas_kernels.interpret import gpu_interpreter
 
         interpreter = gpu_interpreter()   # (held: its contexts close when it is collected)
+    if args.decode:
+        if args.keys == ap.get_default("keys"):
+            args.keys = "4160,32832"     # a 4k and a 32k context's index entries at ratio 1
+        rc = decode_main(args)
+        if interpreter is not None:
+            interpreter.close()
+        return rc
     configs = [IndexScoresConfig(*(int(v) for v in c.split("x"))) for c in args.configs.split(",")]
     res = dict(jax=jax.__version__, device=str(jax.devices()[0]), dense_tflops=dense_tflops(), rows=[], checks={})
     print(f"{res['device']}; jax {res['jax']}; dense bf16 {res['dense_tflops']:.0f} TFLOP/s", flush=True)

@@ -100,22 +100,21 @@ def test_op_dispatch_and_unsupported_shapes():
         IndexScoresConfig(block_s=256)
 
 
-def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
-    """Numerics.kernels="indexer=interpret": a 64-query prefill chunk scores in the kernel, a decode step
-    (T = 1) and exact numerics on XLA; the scores agree to fp32 summation order (TOL) and the mask."""
+def _model_scores(hi: int):
+    """run(t, numerics) -> (indexer.index_scores with those numerics, with the reference numerics) for
+    one random row of a toy indexer with ``hi`` heads of 128 dims over 90 keys."""
     from deepinfer_jax.config import RopeSpec
     from deepinfer_jax.model import indexer
     from deepinfer_jax.model.numerics import Numerics
     from deepinfer_jax.model.rope import rope_inv_freq
 
     r = np.random.default_rng(5)
-    hi, di, d, qrank, s = 2, 128, 32, 32, 90
+    di, d, qrank, s = 128, 32, 32, 90
     cfg = type("C", (), {"index_n_heads": hi, "index_head_dim": di, "act_quant_block": 32})
     p = {"wq_b": {"weight": jnp.asarray(r.standard_normal((hi * di, qrank)) / 3, jnp.float32)},
          "weights_proj": {"weight": jnp.asarray(r.standard_normal((hi, d)) / 5, jnp.float32)}}
     inv_freq = rope_inv_freq(RopeSpec(160000.0, 16.0, 32, 1, 256), di)
     keys = jnp.asarray(r.standard_normal((1, s, di)), jnp.bfloat16)
-    calls = []
 
     def run(t, numerics):
         x = jnp.asarray(r.standard_normal((1, t, d)), jnp.bfloat16)
@@ -123,7 +122,21 @@ def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
         pos = jnp.arange(20, 20 + t, dtype=jnp.int32)[None]
         args = (p, cfg, x, qr, pos, keys, 1, inv_freq)
         return indexer.index_scores(*args, numerics), indexer.index_scores(*args, Numerics.reference())
+    return run
 
+
+def _assert_close_with_the_same_mask(got, want):
+    finite = np.isfinite(np.asarray(want))
+    assert np.array_equal(np.isfinite(np.asarray(got)), finite)
+    assert _rel(np.where(finite, got, 0), np.where(finite, want, 0)) < TOL
+
+
+def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
+    """Numerics.kernels="indexer=interpret": a 64-query prefill chunk scores in the kernel, a decode step
+    (T = 1) and exact numerics on XLA; the scores agree to fp32 summation order (TOL) and the mask."""
+    from deepinfer_jax.model.numerics import Numerics
+
+    run, calls = _model_scores(2), []
     with pytest.MonkeyPatch.context() as mp:
         import pallas_kernels.indexer.kernel as kernel_module
 
@@ -132,8 +145,59 @@ def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
         wired = Numerics(kernels="indexer=interpret")
         got, want = run(64, wired)
         assert calls == [1]
-        finite = np.isfinite(np.asarray(want))
-        assert np.array_equal(np.isfinite(np.asarray(got)), finite)
-        assert _rel(np.where(finite, got, 0), np.where(finite, want, 0)) < TOL
+        _assert_close_with_the_same_mask(got, want)
         got1, want1 = run(1, wired)
         assert calls == [1] and np.array_equal(np.asarray(got1), np.asarray(want1))   # decode: XLA
+
+
+def test_model_routes_decode_scores_to_the_decode_kernel_when_asked():
+    """Numerics.decode_index_kernel (off by default): a decode step's scores on the decode kernel
+    (interpreter), within fp32 summation order of XLA's and with the same mask; asked for heads it cannot
+    take (2: not a multiple of 8), the error says why."""
+    from deepinfer_jax.model.numerics import Numerics
+
+    assert not Numerics().decode_index_kernel
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        import pallas_kernels.indexer.decode as decode_module
+
+        real = decode_module.index_scores_decode_pallas
+        mp.setattr(decode_module, "index_scores_decode_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        wired = Numerics(kernels="indexer=interpret", decode_index_kernel=True)
+        got, want = _model_scores(8)(1, wired)
+        assert calls == [1]
+        _assert_close_with_the_same_mask(got, want)
+        from pallas_kernels.registry import KernelUnavailableError
+
+        with pytest.raises(KernelUnavailableError, match="multiple of 8"):
+            _model_scores(2)(1, wired)
+        assert calls == [1]
+
+
+def test_decode_kernel_in_gpu_interpreter_matches_reference_and_is_batch_invariant():
+    """``indexer.decode`` (one query a batch row, keys on the wgmma M side): the reference's scores to
+    fp32 summation order (TOL) at 8, 32 and 64 heads, a ragged last key tile, tiles past a row's visible
+    keys written as zeros, a row's scores bitwise alone and in a batch; no races; CUDA lowering at the
+    V4.1 decode shape (B = 64, 4,160 keys)."""
+    from pallas_kernels.indexer.decode import decode_unsupported_reason, index_scores_decode_pallas
+
+    for h in (8, 32, 64):
+        q, k, w = _inputs(10 + h, 3, 1, h, 600)
+        with gpu_interpreter(detect_races=True):
+            got = np.asarray(jax.block_until_ready(index_scores_decode_pallas(q[:, 0], k, w[:, 0],
+                                                                              jnp.asarray([600, 300, 10]))))
+        assert not races_found()
+        want = np.asarray(index_scores_reference(q, k, w))[:, 0]
+        for row, n in enumerate((600, 300, 10)):
+            assert _rel(got[row, :n], want[row, :n]) < TOL, (h, row)
+        assert np.all(got[2, 256:] == 0) and np.all(got[1, 512:] == 0)   # whole tiles past the visible keys
+    q, k, w = _inputs(20, 3, 1, 8, 300)
+    with gpu_interpreter():
+        batched = np.asarray(index_scores_decode_pallas(q[:, 0], k, w[:, 0]))
+        alone = np.asarray(index_scores_decode_pallas(q[2:, 0], k[2:], w[2:, 0]))
+    assert np.array_equal(batched[2:], alone)
+    assert "head_dim=64" in decode_unsupported_reason(32, 64) and "heads" in decode_unsupported_reason(12, 128)
+    args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4160, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32))
+    lowered = jax.jit(index_scores_decode_pallas).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()

@@ -9,8 +9,8 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.model.linear import plain_linear, quant_linear
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2, kernel_route
 from deepinfer_jax.model.rope import apply_rope
-from pallas_kernels.indexer import (IndexScoresConfig, index_scores as index_scores_op, index_scores_xla,
-                                    kernel_unsupported_reason)
+from pallas_kernels.indexer import (IndexScoresConfig, decode_unsupported_reason, index_scores as index_scores_op,
+                                    index_scores_xla, kernel_unsupported_reason)
 from pallas_kernels.indexer.config import QUERY_ROWS
 from pallas_kernels.registry import AUTO, XLA
 from pallas_kernels.topk import topk_indices
@@ -43,20 +43,29 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
     iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
     n_visible = visible_entries(pos_bt, ratio)
-    # The kernel serves prefill chunks of fake-quantized values; decode steps (T = 1: its 64-query tiles
-    # would be padding) and exact fp32 numerics always score here, whatever Numerics.kernels says.
+    # The kernel serves prefill chunks of fake-quantized values; exact fp32 numerics always score here,
+    # whatever Numerics.kernels says, and decode steps (T = 1) too unless Numerics.decode_index_kernel
+    # (the op's decode kernel: untimed, other rounding than XLA's head sum).
     route, impl = "model", None
-    if numerics.fake_quant and t >= QUERY_ROWS:
+    decode = t == 1 and numerics.decode_index_kernel
+    if numerics.fake_quant and (t >= QUERY_ROWS or decode):
         route, impl = kernel_route(numerics, "indexer", "index_scores",
-                                   kernel_unsupported_reason(hi, di, IndexScoresConfig()))
+                                   decode_unsupported_reason(hi, di) if decode
+                                   else kernel_unsupported_reason(hi, di, IndexScoresConfig()))
     if route == "model":
         scores = index_scores_xla(iq, keys, w)
     elif impl == "interpret":
-        from pallas_kernels.indexer.kernel import index_scores_pallas
         from pallas_kernels.interpret import gpu_interpreter
 
         with gpu_interpreter():
-            scores = index_scores_pallas(iq, keys, w, n_visible)
+            if decode:
+                from pallas_kernels.indexer.decode import index_scores_decode_pallas
+
+                scores = index_scores_decode_pallas(iq[:, 0], keys, w[:, 0], n_visible[:, 0])[:, None]
+            else:
+                from pallas_kernels.indexer.kernel import index_scores_pallas
+
+                scores = index_scores_pallas(iq, keys, w, n_visible)
     else:
         scores = index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
     visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < n_visible[..., None]

@@ -128,6 +128,13 @@ class Numerics:
     # most of the ~0.55 ms XLA pass). Off until the end-to-end A/B shows the gain (NOTES item -34(c)):
     # ``e2e_gpu.py --sections pswigluq`` (its first run was cut off by the call's time).
     expert_swiglu_quant: bool = False
+    # A decode step's index scores on the Pallas op's decode kernel (``pallas_kernels/indexer/decode.py``:
+    # keys on the wgmma M side, one query a batch row) instead of XLA's dot into float32 [B, H, S] and
+    # the fusion that reads it back (2 x 33 MB at B = 64, 4k, an indexer layer). Other rounding than XLA's
+    # head sum (still one fixed order a row: batch-invariant), so decode bits change with it. Built in
+    # session 34 from the deviceless decode listing, checked in the interpreter; off until timed and
+    # run through the GPU invariance tests (NOTES item -34(f); A/B: ``e2e_gpu.py --sections decidx``).
+    decode_index_kernel: bool = False
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel

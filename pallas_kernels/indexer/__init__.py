@@ -15,7 +15,9 @@ The op::
 Implementations (same signature), chosen by ``pallas_kernels.registry``:
 
 * ``kernel.index_scores_pallas`` — Mosaic GPU kernel for Hopper: the per-head dots stay in registers
-  and are summed over heads in a fixed order; skips tiles past ``n_visible_bt``.
+  and are summed over heads in a fixed order; skips tiles past ``n_visible_bt``. At T = 1 (a decode
+  step) the op runs ``decode.index_scores_decode_pallas`` instead: keys on the wgmma M side, one
+  query a batch row (the prefill kernel's 128-query tiles would be padding).
 * ``xla.index_scores_xla`` — bf16-operand einsums in key blocks of 4096, then the relu and the head sum
   (materializes the fp32 dots of one key block).
 * ``reference.index_scores_reference`` — float32 HIGHEST oracle; tests only.
@@ -28,12 +30,12 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.indexer.config import IndexScoresConfig, kernel_unsupported_reason
+from pallas_kernels.indexer.config import IndexScoresConfig, decode_unsupported_reason, kernel_unsupported_reason
 from pallas_kernels.indexer.reference import index_scores_reference
 from pallas_kernels.indexer.xla import index_scores_xla
 
-__all__ = ["IndexScoresConfig", "index_scores", "index_scores_pallas", "index_scores_reference",
-           "index_scores_xla", "kernel_unsupported_reason"]
+__all__ = ["IndexScoresConfig", "decode_unsupported_reason", "index_scores", "index_scores_pallas",
+           "index_scores_reference", "index_scores_xla", "kernel_unsupported_reason"]
 
 
 def index_scores_pallas(*args, **kwargs):
@@ -58,5 +60,10 @@ def index_scores(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visibl
     if chosen.name == registry.REFERENCE:
         return index_scores_reference(q_bthd, k_bsd, w_bth)
     if chosen.name == registry.PALLAS_MOSAIC_GPU:
+        if q_bthd.shape[1] == 1 and decode_unsupported_reason(q_bthd.shape[2], q_bthd.shape[3]) is None:
+            from pallas_kernels.indexer.decode import index_scores_decode_pallas
+
+            n_vis = None if n_visible_bt is None else n_visible_bt[:, 0]
+            return index_scores_decode_pallas(q_bthd[:, 0], k_bsd, w_bth[:, 0], n_vis)[:, None]
         return chosen.load()(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)
     return chosen.load()(q_bthd, k_bsd, w_bth, config=config)

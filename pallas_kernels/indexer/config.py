@@ -50,3 +50,12 @@ def kernel_unsupported_reason(num_heads: int, head_dim: int, config: IndexScores
     if (need := smem_bytes(num_heads, head_dim, config)) > SMEM_LIMIT_BYTES:
         return f"{num_heads} heads, block_s={config.block_s}, stages={config.stages} need {need} B of shared memory"
     return None
+
+
+def decode_unsupported_reason(num_heads: int, head_dim: int) -> str | None:
+    """None if the decode kernel (``decode.py``: one query a batch row) runs this shape, else why not."""
+    if head_dim != 128:
+        return f"head_dim={head_dim}: the kernel's tiles hold 128-dim rows (V4.1's index_head_dim)"
+    if num_heads % 8 or not 8 <= num_heads <= 256:
+        return f"{num_heads} heads: the wgmma N side takes a multiple of 8 up to 256"
+    return None
