@@ -55,17 +55,11 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     if route == "model":
         scores = index_scores_xla(iq, keys, w)
     elif impl == "interpret":
+        from pallas_kernels.indexer import index_scores_pallas    # (the decode kernel at T = 1)
         from pallas_kernels.interpret import gpu_interpreter
 
         with gpu_interpreter():
-            if decode:
-                from pallas_kernels.indexer.decode import index_scores_decode_pallas
-
-                scores = index_scores_decode_pallas(iq[:, 0], keys, w[:, 0], n_visible[:, 0])[:, None]
-            else:
-                from pallas_kernels.indexer.kernel import index_scores_pallas
-
-                scores = index_scores_pallas(iq, keys, w, n_visible)
+            scores = index_scores_pallas(iq, keys, w, n_visible)
     else:
         scores = index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
     visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < n_visible[..., None]

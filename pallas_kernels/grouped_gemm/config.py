@@ -208,15 +208,20 @@ def uses_e4m3_rows(cfg: GroupedMatmulConfig, fmt: WeightFormat) -> bool:
             or (fmt is WeightFormat.FP8 and cfg.fp8_operands == "e4m3"))
 
 
-def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> int:
-    """Shared memory the kernel allocates for this config (pipeline slots + epilogue tiles)."""
+def smem_bytes(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype, swiglu: bool = False) -> int:
+    """Shared memory the kernel allocates for this config (pipeline slots + epilogue tiles). swiglu: the
+    gate/up epilogue's launch (``kernel.swiglu_tiles``), whose bf16 h rows are staged as [block_m,
+    block_n / 2] in all (float32 h is written from registers)."""
     e4m3 = uses_e4m3_rows(cfg, fmt)
     x_tile = cfg.block_m * cfg.block_k * (1 if e4m3 else 2)
     if e4m3:
         x_tile += cfg.block_m * (cfg.block_k // SCALE_BLOCK) * 4      # x's float32 scales
     w_tile = cfg.block_n * cfg.block_k * fmt.weight_bits // 8
     s_tile = 0 if fmt is WeightFormat.BF16 else (cfg.block_k // SCALE_BLOCK) * cfg.block_n
-    out_tile = 0 if writes_rows(cfg, out_dtype) else cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
+    if swiglu:
+        out_tile = 0 if jnp.dtype(out_dtype) == jnp.float32 else cfg.block_m * cfg.block_n // 2 * 2
+    else:
+        out_tile = 0 if writes_rows(cfg, out_dtype) else cfg.block_n * cfg.block_m * jnp.dtype(out_dtype).itemsize
     a_stage = 0
     if fmt is not WeightFormat.BF16 and not cfg.a_from_registers:
         a_stage = cfg.block_n * SCALE_BLOCK * 2 * (2 if cfg.overlap_wgmma else 1)   # (>= the E4M3 form's)
@@ -287,9 +292,9 @@ def kernel_unsupported_reason(n: int, k: int, fmt: WeightFormat, cfg: GroupedMat
     return None
 
 
-def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype) -> GroupedMatmulConfig:
+def fit_stages(cfg: GroupedMatmulConfig, fmt: WeightFormat, out_dtype, swiglu: bool = False) -> GroupedMatmulConfig:
     """The same tiles with as many pipeline stages (<= cfg.stages, >= 2) as fit in shared memory."""
-    while smem_bytes(cfg, fmt, out_dtype) > SMEM_LIMIT_BYTES and cfg.stages > 2:
+    while smem_bytes(cfg, fmt, out_dtype, swiglu) > SMEM_LIMIT_BYTES and cfg.stages > 2:
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
     return cfg
 

@@ -45,7 +45,6 @@ product unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -56,7 +55,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_gemm import act_quant, fp4_packed, fp8_operands
 from pallas_kernels.grouped_gemm.config import (SMEM_LIMIT_BYTES, GroupedMatmulConfig, WeightFormat, check_inputs,
-                                                kernel_unsupported_reason, row_major_shape, smem_bytes,
+                                                fit_stages, kernel_unsupported_reason, row_major_shape, smem_bytes,
                                                 uses_e4m3_rows, writes_rows)
 from pallas_kernels.grouped_gemm.fp8_operands import E4m3Rows
 from pallas_kernels.grouped_gemm.plan import (TilePlan, bucketed_tiles, make_tile_plan, materialized, max_tiles,
@@ -727,9 +726,7 @@ def swiglu_unsupported_reason(config: GroupedMatmulConfig, fmt: WeightFormat, ou
     if act_block is not None and (act_block % 8 or piece_rows % act_block):
         return (f"act_block={act_block} does not split a consumer's {piece_rows} columns into whole "
                 "8-column granules")
-    # the ring and staging as with float32 rows out, plus the consumers' [block_m, block_n / consumers / 2] bf16 rows
-    used = smem_bytes(dataclasses.replace(config, out_rows=True), fmt, jnp.float32) + config.block_m * config.block_n
-    if used > SMEM_LIMIT_BYTES:
+    if (used := smem_bytes(config, fmt, dtype, swiglu=True)) > SMEM_LIMIT_BYTES:
         return f"bf16 out needs {used} B of shared memory, more than the {SMEM_LIMIT_BYTES} B a CTA may use"
     return None
 
@@ -737,14 +734,11 @@ def swiglu_unsupported_reason(config: GroupedMatmulConfig, fmt: WeightFormat, ou
 def swiglu_config(config: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.float32,
                   act_block: int | None = None) -> GroupedMatmulConfig | None:
     """``config`` with as many pipeline stages (<= its own, >= 2) as leave room for the swiglu epilogue's
-    output form, or None where ``swiglu_unsupported_reason`` refuses it for a reason other than shared
-    memory. Stages change the speed, never the bits. (The engine's 128 x 256 x 64 prefill tile has 8
-    stages; its bf16 rows need 32 KB beside them, which 7 leave.)"""
-    while (why := swiglu_unsupported_reason(config, fmt, out_dtype, act_block)) is not None:
-        if "shared memory" not in why or config.stages <= 2:
-            return None
-        config = dataclasses.replace(config, stages=config.stages - 1)
-    return config
+    output form (``fit_stages``), or None where ``swiglu_unsupported_reason`` still refuses it. Stages
+    change the speed, never the bits. (The engine's 128 x 256 x 64 prefill tile has 8 stages; its bf16
+    rows need 32 KB beside them, which 7 leave.)"""
+    config = fit_stages(config, fmt, out_dtype, swiglu=True)
+    return None if swiglu_unsupported_reason(config, fmt, out_dtype, act_block) is not None else config
 
 
 def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.Array | None, w3: jax.Array,

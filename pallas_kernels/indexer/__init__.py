@@ -38,11 +38,18 @@ __all__ = ["IndexScoresConfig", "decode_unsupported_reason", "index_scores", "in
            "index_scores_reference", "index_scores_xla", "kernel_unsupported_reason"]
 
 
-def index_scores_pallas(*args, **kwargs):
-    """Lazy import: the Mosaic GPU module is only loaded when the kernel is asked for."""
+def index_scores_pallas(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visible_bt: jax.Array | None = None,
+                        *, config: IndexScoresConfig = IndexScoresConfig()) -> jax.Array:
+    """The Mosaic GPU implementation: the decode kernel at T = 1 where it takes the shape, else the
+    prefill kernel. Lazy imports: the Mosaic GPU modules load only when a kernel is asked for."""
+    if q_bthd.shape[1] == 1 and decode_unsupported_reason(q_bthd.shape[2], q_bthd.shape[3]) is None:
+        from pallas_kernels.indexer.decode import index_scores_decode_pallas
+
+        n_vis = None if n_visible_bt is None else n_visible_bt[:, 0]
+        return index_scores_decode_pallas(q_bthd[:, 0], k_bsd, w_bth[:, 0], n_vis)[:, None]
     from pallas_kernels.indexer.kernel import index_scores_pallas as impl
 
-    return impl(*args, **kwargs)
+    return impl(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)
 
 
 def index_scores(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visible_bt: jax.Array | None = None, *,
@@ -60,10 +67,5 @@ def index_scores(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visibl
     if chosen.name == registry.REFERENCE:
         return index_scores_reference(q_bthd, k_bsd, w_bth)
     if chosen.name == registry.PALLAS_MOSAIC_GPU:
-        if q_bthd.shape[1] == 1 and decode_unsupported_reason(q_bthd.shape[2], q_bthd.shape[3]) is None:
-            from pallas_kernels.indexer.decode import index_scores_decode_pallas
-
-            n_vis = None if n_visible_bt is None else n_visible_bt[:, 0]
-            return index_scores_decode_pallas(q_bthd[:, 0], k_bsd, w_bth[:, 0], n_vis)[:, None]
         return chosen.load()(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)
     return chosen.load()(q_bthd, k_bsd, w_bth, config=config)

@@ -20,8 +20,6 @@ another order), so a model that switches to it changes decode bits, still batch-
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
