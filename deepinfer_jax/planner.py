@@ -20,7 +20,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from deepinfer_jax.config import AttnMode, ModelConfig
-from deepinfer_jax.model.cache import cache_shapes
+from deepinfer_jax.model.cache import cache_shapes, compressed_entries
 from deepinfer_jax.model.linear import held_as_bf16
 from deepinfer_jax.model.mhc import is_stream_mix_fn
 from deepinfer_jax.model.numerics import ENGINE_NUMERICS, Numerics, as_numerics
@@ -291,7 +291,7 @@ def _activation_terms(cfg: ModelConfig, ms: MeshSpec, rules: ShardingRules, slot
     index = 0
     for plan in cfg.layer_plans:
         if plan.mode in (AttnMode.FULL, AttnMode.REINDEX):
-            s = -(-max_len // plan.ratio)
+            s = compressed_entries(max_len, plan.ratio)
             index = max(index, m * cfg.index_n_heads * min(s, INDEX_KEY_BLOCK) * f32 + 2 * m * s * f32 + m * s
                         + b_loc * s * cfg.index_head_dim * act)
     # routed experts. gather path (model.moe.routed_experts_gather): each token's k experts dequantized

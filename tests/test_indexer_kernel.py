@@ -68,7 +68,29 @@ def test_kernel_is_batch_invariant_and_skipped_tiles_change_no_visible_score():
     skipped = np.asarray(_kernel(q1, k1, w1, n_vis))
     visible = np.arange(300)[None, :] < np.asarray(n_vis)[0][:, None]
     assert np.array_equal(skipped[0][visible], np.asarray(alone)[0][visible])
-    assert np.all(skipped[0][:, 256:] == 0)     # tile [256, 384) lies past every query's 169 keys
+    # the op's contract: -inf past each query's own count, in computed tiles ([128, 256) holds keys some
+    # queries see and others do not) and in the skipped tile [256, 384), past every query's 169 keys
+    assert np.all(np.isneginf(skipped[0][~visible]))
+
+
+def test_every_implementation_writes_minus_inf_past_each_querys_visible_keys():
+    """The op's n_visible contract (what lets the model drop its masking pass): the kernel in the
+    interpreter, the XLA path and the reference give -inf exactly at keys >= the query's count and the
+    reference's finite scores elsewhere (TOL); the kernel's output is its buffer, unsliced, when T and S
+    are whole tiles."""
+    q, k, w = _inputs(5, 2, 128, 3, 256)
+    n_vis = jnp.asarray(np.random.default_rng(5).integers(0, 300, (2, 128)), jnp.int32)   # some past S
+    unseen = np.arange(256)[None, None, :] >= np.asarray(n_vis)[..., None]
+    want = np.asarray(index_scores_reference(q, k, w))
+    for got in (_kernel(q, k, w, n_vis), index_scores_xla(q, k, w, n_vis), index_scores_reference(q, k, w, n_vis),
+                index_scores(q, k, w, n_vis)):
+        got = np.asarray(got)
+        assert np.all(np.isneginf(got[unseen])) and np.all(np.isfinite(got[~unseen]))
+        assert _rel(got[~unseen], want[~unseen]) < TOL
+    from pallas_kernels.indexer.kernel import index_scores_pallas
+
+    jaxpr = str(jax.make_jaxpr(lambda *a: index_scores_pallas(*a, config=IndexScoresConfig()))(q, k, w, n_vis))
+    assert " slice[" not in jaxpr and "dynamic_slice" not in jaxpr
 
 
 def test_kernel_lowers_for_cuda_at_v41_prefill_shapes():
@@ -176,8 +198,8 @@ def test_model_routes_decode_scores_to_the_decode_kernel_when_asked():
 
 def test_decode_kernel_in_gpu_interpreter_matches_reference_and_is_batch_invariant():
     """``indexer.decode`` (one query a batch row, keys on the wgmma M side): the reference's scores to
-    fp32 summation order (TOL) at 8, 32 and 64 heads, a ragged last key tile, tiles past a row's visible
-    keys written as zeros, a row's scores bitwise alone and in a batch; no races; CUDA lowering at the
+    fp32 summation order (TOL) at 8, 32 and 64 heads, a ragged last key tile, -inf at keys past a row's
+    visible count, a row's scores bitwise alone and in a batch; no races; CUDA lowering at the
     V4.1 decode shape (B = 64, 4,160 keys)."""
     from pallas_kernels.indexer.decode import decode_unsupported_reason, index_scores_decode_pallas
 
@@ -190,7 +212,7 @@ def test_decode_kernel_in_gpu_interpreter_matches_reference_and_is_batch_invaria
         want = np.asarray(index_scores_reference(q, k, w))[:, 0]
         for row, n in enumerate((600, 300, 10)):
             assert _rel(got[row, :n], want[row, :n]) < TOL, (h, row)
-        assert np.all(got[2, 256:] == 0) and np.all(got[1, 512:] == 0)   # whole tiles past the visible keys
+            assert np.all(np.isneginf(got[row, n:])), (h, row)   # in computed tiles and in skipped ones
     q, k, w = _inputs(20, 3, 1, 8, 300)
     with gpu_interpreter():
         batched = np.asarray(index_scores_decode_pallas(q[:, 0], k, w[:, 0]))

@@ -82,10 +82,12 @@ def test_tiny_cache_device_bytes_match_the_plan(tiny_cfg, kv_quant):
     def device_bytes(max_len):
         return sum(x.nbytes for x in jax.tree.leaves(init_cache(cfg, 2, max_len, num)))
 
-    n1, n2 = 64, 192
+    # lengths whose entries fill whole INDEX_ENTRY_ALIGN (256) multiples at ratios 1 and 2
+    n1, n2 = 512, 1024
     b1, b2 = device_bytes(n1), device_bytes(n2)
     assert b1 == cache_bytes(cfg, 2, n1, num) and b2 == cache_bytes(cfg, 2, n2, num)
     assert (b2 - b1) / (2 * (n2 - n1)) == entries_per_token * per_entry          # 106 / 384 B per token
+    assert device_bytes(n1 - 100) == b1 and device_bytes(n1 + 1) > b1    # indexed entries come in 256s
     # the constant part: 12 rings of 8 slots (values + scales + int32 position) + the fp32 pending pairs
     ratio2 = sum(cfg.compress_ratios[s] == 2 for s in cfg.kv_source_layer_ids)
     fixed = cfg.num_hidden_layers * cfg.sliding_window * (per_slot + 4) + ratio2 * 2 * d * 4

@@ -58,7 +58,7 @@ def test_bytes_per_token_full_config():
     """Spec §4.2: 21 CSA layers x (584 B per 4 tokens + 68 B FP4 index-K per 4 tokens) + 20 HCA layers x
     584 B per 128 tokens = 3,423 + 91.25 = 3,514.25 B/token (the spec rounds to 3,514); BF16 storage
     21 x (1024 + 256) / 4 + 20 x 1024 / 128 = 6,880 B/token. The SWA rings are constant in the length."""
-    n1, n2 = 4096, 8192  # both multiples of 128: whole entries of every ratio
+    n1, n2 = 4096, 8192  # whole entries of every ratio, the indexed ones in whole multiples of 256
 
     def per_token(numerics):
         return (cache_bytes(REAL, 1, n2, numerics) - cache_bytes(REAL, 1, n1, numerics)) / (n2 - n1)
@@ -79,7 +79,7 @@ def test_tiny_cache_device_bytes_match_the_plan(tiny_v4):
     def device_bytes(max_len):
         return sum(x.nbytes for x in jax.tree.leaves(init_cache(cfg, 2, max_len, QUANT)))
 
-    n1, n2 = 128, 384
+    n1, n2 = 1024, 2048   # the CSA layers' indexed entries fill whole multiples of 256 (INDEX_ENTRY_ALIGN)
     assert device_bytes(n1) == cache_bytes(cfg, 2, n1, QUANT)
     assert (device_bytes(n2) - device_bytes(n1)) / (2 * (n2 - n1)) == per_token
 

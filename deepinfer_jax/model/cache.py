@@ -1,9 +1,10 @@
 """The KV/state cache as a pytree; every leaf has the slot (batch) dim first.
 
 * ``window[L]``: the layer's SWA ring, kv [B, W, head_dim] and the position held by each slot [B, W].
-* ``sources["layer_{s}"]`` for every KV-source layer s: compressed KV [B, ceil(max_len/r), head_dim],
-  index-K [B, ceil(max_len/r), index_head_dim] (not on V4's indexer-less ratio-128 layers), and the
-  compressor's carried fp32 rows (V4.1 ratio 2: the pending half-pair; V4: compressor_v4's windows).
+* ``sources["layer_{s}"]`` for every KV-source layer s: compressed KV [B, N, head_dim], index-K
+  [B, N, index_head_dim] (not on V4's indexer-less ratio-128 layers), and the compressor's carried fp32
+  rows (V4.1 ratio 2: the pending half-pair; V4: compressor_v4's windows). N = ``compressed_entries``:
+  ceil(max_len/r), rounded up to a multiple of ``INDEX_ENTRY_ALIGN`` where an indexer scores them.
 Each KV tensor is a storage dict from ``kv_codec`` ({"values"} in BF16, or at deployment precision when
 ``numerics.kv_quant``: {"values", "scale"}, plus "rope" for V4-Flash's BF16 RoPE dims; ``kv_codec.layouts``).
 Positions start at -1 (empty). A slot handed to a new request needs ``reset_slots``: the window ring
@@ -24,6 +25,19 @@ from deepinfer_jax.model import compressor_v4, kv_codec
 from deepinfer_jax.model.numerics import Numerics
 
 
+#: An indexed source's entries come in multiples of this, the index-score kernels' key tiles (prefill 128,
+#: decode 256): a score row is then the kernel's output buffer as it is, with no padded copy of the keys
+#: and no slice of the [T, S] scores (a pass each at a prefill chunk). Entries past a request's own
+#: positions are never visible, so the extra ones change no result.
+INDEX_ENTRY_ALIGN = 256
+
+
+def compressed_entries(max_len: int, ratio: int, indexed: bool = True) -> int:
+    """Entries of a source cache compressing ``ratio`` positions into one, for ``max_len`` positions."""
+    n = -(-max_len // ratio)
+    return -(-n // INDEX_ENTRY_ALIGN) * INDEX_ENTRY_ALIGN if indexed else n
+
+
 def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics) -> dict:
     """The cache as a pytree of jax.ShapeDtypeStruct (for memory planning without allocating)."""
     dt = numerics.dtype
@@ -42,8 +56,8 @@ def cache_shapes(cfg: ModelConfig, batch: int, max_len: int, numerics: Numerics)
     sources = {}
     for s in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[s]
-        n = -(-max_len // r)
         plan = cfg.layer_plan(s)
+        n = compressed_entries(max_len, r, plan.has_indexer)
         entry = {"kv": kv_codec.stored_shapes(lay.compressed, (batch, n), cfg.head_dim, q, dt)}
         if plan.has_indexer:  # V4's ratio-128 layers attend every entry: no index-K
             entry["index_k"] = kv_codec.stored_shapes(lay.index_k, (batch, n), cfg.index_head_dim, q, dt)

@@ -52,18 +52,18 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
         route, impl = kernel_route(numerics, "indexer", "index_scores",
                                    decode_unsupported_reason(hi, di) if decode
                                    else kernel_unsupported_reason(hi, di, IndexScoresConfig()))
+    # Every route writes -inf past each query's visible entries itself: a mask here would be one more
+    # pass over [T, S] float32 scores that XLA writes out as the top-k's conditional operand (2.1 GB a
+    # ratio-1 layer-chunk at chunk 16384; benchmarks/NOTES.md item -35).
     if route == "model":
-        scores = index_scores_xla(iq, keys, w)
-    elif impl == "interpret":
+        return index_scores_xla(iq, keys, w, n_visible)
+    if impl == "interpret":
         from pallas_kernels.indexer import index_scores_pallas    # (the decode kernel at T = 1)
         from pallas_kernels.interpret import gpu_interpreter
 
         with gpu_interpreter():
-            scores = index_scores_pallas(iq, keys, w, n_visible)
-    else:
-        scores = index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
-    visible = jnp.arange(index_k_bsd.shape[1])[None, None, :] < n_visible[..., None]
-    return jnp.where(visible, scores, -jnp.inf)
+            return index_scores_pallas(iq, keys, w, n_visible)
+    return index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
 
 
 def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: int, n_blocks: int) -> jax.Array:

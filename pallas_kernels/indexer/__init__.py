@@ -7,8 +7,9 @@ The op::
 * ``q_bthd`` [B, T, H, D] bf16 — index queries (V4.1: H = 32 or 64 heads of D = 128);
 * ``k_bsd`` [B, S, D] bf16 — index keys, shared by the heads;
 * ``w_bth`` f32 [B, T, H] — per-query head weights;
-* ``n_visible_bt`` int [B, T] or None — how many leading keys each query may see: a hint that lets an
-  implementation skip work; scores past it are unspecified and the caller masks them.
+* ``n_visible_bt`` int [B, T] or None — how many leading keys each query may see: scores of the keys
+  past it are -inf in every implementation (the kernels write them and skip the tiles wholly past it;
+  XLA masks in the head sum's fusion), so the caller needs no masking pass of its own.
 * ``scores[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s])``, the dots with exact products of
   the bf16 inputs and fp32 accumulation (the model's fake-quantized FP4 values are exact in bf16).
 
@@ -65,7 +66,5 @@ def index_scores(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visibl
         if kernel_unsupported_reason(q_bthd.shape[2], q_bthd.shape[3], config) is not None:
             chosen = registry.resolve("index_scores", impl=registry.XLA, selection=selection)
     if chosen.name == registry.REFERENCE:
-        return index_scores_reference(q_bthd, k_bsd, w_bth)
-    if chosen.name == registry.PALLAS_MOSAIC_GPU:
-        return chosen.load()(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)
-    return chosen.load()(q_bthd, k_bsd, w_bth, config=config)
+        return index_scores_reference(q_bthd, k_bsd, w_bth, n_visible_bt)
+    return chosen.load()(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)

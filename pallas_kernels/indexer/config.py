@@ -39,8 +39,9 @@ def smem_bytes(num_heads: int, head_dim: int, config: IndexScoresConfig) -> int:
     q_ring = config.stages * config.block_t * head_dim * bf16
     keys = config.block_s * head_dim * bf16
     weights = num_heads * config.block_t * f32
+    counts = config.block_t * 4          # each query's visible-key count (int32)
     out = config.block_t * config.block_s * f32
-    return q_ring + keys + weights + out
+    return q_ring + keys + weights + counts + out
 
 
 def kernel_unsupported_reason(num_heads: int, head_dim: int, config: IndexScoresConfig) -> str | None:

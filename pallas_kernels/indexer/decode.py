@@ -13,8 +13,8 @@ thread's own columns, then two quad shuffles), and 64 scores go out. Each key is
 the [B, S] scores are written.
 
 Invariance: a score is a function of its query, its key and the head weights only (one wgmma chain
-over the 128-dim dot per (key, head), a fixed reduction over heads); tiles past the row's visible keys
-are written as zeros for the caller's mask. Other rounding than XLA's head sum (float32 sums in
+over the 128-dim dot per (key, head), a fixed reduction over heads). Keys at or past the row's visible
+count score -inf (the op's contract); tiles wholly past it are not computed. Other rounding than XLA's head sum (float32 sums in
 another order), so a model that switches to it changes decode bits, still batch-invariant.
 """
 
@@ -55,12 +55,16 @@ def _build(b: int, h: int, s_pad: int, d: int):
                     return acc_ref[...]
 
                 s = pl.run_scoped(dot, plgpu.ACC((KEY_ROWS, h), jnp.float32))
-                scores = jnp.sum(jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (KEY_ROWS, h), [1]), axis=1)
-                o_smem.at[pl.ds(c * KEY_ROWS, KEY_ROWS)][...] = scores
+                terms = jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (KEY_ROWS, h), [1])
+                # an unseen key's every head term is -inf, so its sum is -inf (no column reduce layout needed)
+                keys = s0 + c * KEY_ROWS + plgpu.broadcasted_iota(jnp.int32, (KEY_ROWS, h), 0,
+                                                                  layout=plgpu.Layout.WGMMA)
+                terms = jnp.where(keys < nvis_ref[bi], terms, -jnp.inf)
+                o_smem.at[pl.ds(c * KEY_ROWS, KEY_ROWS)][...] = jnp.sum(terms, axis=1)
 
         @pl.when(jnp.logical_not(active))
         def _():
-            o_smem[...] = jnp.zeros((BLOCK_KEYS,), jnp.float32)
+            o_smem[...] = jnp.full((BLOCK_KEYS,), -jnp.inf, jnp.float32)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bi, pl.ds(s0, BLOCK_KEYS)])
@@ -84,14 +88,14 @@ def _build(b: int, h: int, s_pad: int, d: int):
 def index_scores_decode_pallas(q_bhd: jax.Array, k_bsd: jax.Array, w_bh: jax.Array,
                                n_visible_b: jax.Array | None = None) -> jax.Array:
     """q [B, H, D], keys [B, S, D], head weights [B, H] -> scores [B, S] float32:
-    sum_h w[b, h] relu(q[b, h] . k[b, s]) (``index_scores_xla`` at T = 1). Keys at or past a row's
-    n_visible may hold zeros or scores; the caller masks them."""
+    sum_h w[b, h] relu(q[b, h] . k[b, s]) (``index_scores_xla`` at T = 1), -inf for keys at or past a
+    row's n_visible. No copy of the scores when S is a multiple of 256."""
     b, h, d = q_bhd.shape
     s = k_bsd.shape[1]
     if (why := decode_unsupported_reason(h, d)) is not None:
         raise ValueError(f"index_scores_decode_pallas cannot run this problem: {why}")
     sp = -(-s // BLOCK_KEYS) * BLOCK_KEYS
     k = jnp.pad(k_bsd.astype(jnp.bfloat16), ((0, 0), (0, sp - s), (0, 0)))
-    nvis = jnp.full((b,), s, jnp.int32) if n_visible_b is None else n_visible_b.astype(jnp.int32)
+    nvis = jnp.full((b,), s, jnp.int32) if n_visible_b is None else jnp.minimum(n_visible_b.astype(jnp.int32), s)
     out = _build(b, h, sp, d)(q_bhd.astype(jnp.bfloat16), k, w_bh.astype(jnp.float32), nvis)
-    return out[:, :s]
+    return out if sp == s else out[:, :s]

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 KEY_BLOCK = 4096
 
 
-def index_scores_xla(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, *, key_block: int = KEY_BLOCK,
-                     config=None) -> jax.Array:
+def index_scores_xla(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n_visible_bt: jax.Array | None = None, *,
+                     key_block: int = KEY_BLOCK, config=None) -> jax.Array:
+    """n_visible_bt: int [B, T] or None; keys at or past a query's count score -inf (in the head sum's
+    fusion, so no pass of its own)."""
     del config   # the kernel's tiles; nothing to choose here
     hi = jax.lax.Precision.HIGHEST
     w = w_bth.astype(jnp.float32)
@@ -26,4 +28,11 @@ def index_scores_xla(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, *, k
         dots = jnp.einsum("bthd,bsd->bths", q_bthd, k_bsd[:, s0:s0 + key_block], precision=hi,
                           preferred_element_type=jnp.float32)
         parts.append(jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w, precision=hi))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    return scores if n_visible_bt is None else mask_unseen(scores, n_visible_bt)
+
+
+def mask_unseen(scores_bts: jax.Array, n_visible_bt: jax.Array) -> jax.Array:
+    """-inf at keys s >= n_visible_bt[b, t] (the op's contract for every implementation)."""
+    keys = jnp.arange(scores_bts.shape[-1], dtype=jnp.int32)
+    return jnp.where(keys < n_visible_bt[..., None].astype(jnp.int32), scores_bts, -jnp.inf)
