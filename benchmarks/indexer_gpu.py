@@ -11,7 +11,7 @@ against a dense bf16 matmul measured here, and checks (exit 1 on a failure):
 
 * the kernel against the float32 reference within 1e-5 of the largest score (fp32 summation order);
 * a batch row alone == the same row in a batch of 2, bitwise;
-* the scores of visible keys with tile skipping == without, bitwise.
+* the scores of visible keys with tile skipping == without, bitwise; every unseen key's score -inf.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/indexer_gpu.py --decode   # the decode kernel
 
@@ -75,9 +75,11 @@ def decode_main(args) -> int:
         skipped = np.asarray(kern(q[:, 0], k, w[:, 0], n_vis))
         visible = np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None]
         checks = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[5:6])),
-                      skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])))
+                      skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])),
+                      unseen_are_minus_inf=bool(np.all(np.isneginf(skipped[~visible]))))
         res["checks"][f"heads{h}"] = checks
-        ok &= err < 1e-5 and checks["batch_invariant"] and checks["skip_keeps_visible_bits"]
+        ok &= err < 1e-5 and all(checks[c] for c in ("batch_invariant", "skip_keeps_visible_bits",
+                                                     "unseen_are_minus_inf"))
         print(f"checks, {h} heads: {checks}", flush=True)
         xla = jax.jit(lambda q, k, w: index_scores_xla(q, k, w))
         for s in keys:
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
     skipped = np.asarray(kern(q, k, w, n_vis))
     visible = np.arange(s)[None, None, :] < np.asarray(n_vis)[:, :, None]
     res["checks"] = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[1:])),
-                         skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])))
+                         skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])),
+                         unseen_are_minus_inf=bool(np.all(np.isneginf(skipped[~visible]))))
     print(f"checks: {res['checks']}", flush=True)
     del q, k, w, full, ref, alone, skipped
 
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
     (out / "indexer_gpu.json").write_text(json.dumps(res, indent=1))
     if interpreter is not None:
         interpreter.close()
-    ok = err < 1e-5 and res["checks"]["batch_invariant"] and res["checks"]["skip_keeps_visible_bits"]
+    ok = err < 1e-5 and all(res["checks"][c] for c in ("batch_invariant", "skip_keeps_visible_bits",
+                                                         "unseen_are_minus_inf"))
     return 0 if ok else 1
 
 
