@@ -145,9 +145,9 @@ def main(argv=None) -> int:
                     "(Numerics.expert_swiglu_epilogue)")
     ap.add_argument("--attention-schedule", default="seesaw-prefill", choices=("halves", "seesaw", "seesaw-prefill"),
                     help="Numerics.attention_schedule (the bf16 attention kernel's schedule)")
-    ap.add_argument("--decode-index-kernel", default="off", choices=("on", "off"),
+    ap.add_argument("--decode-index-kernel", default="on", choices=("on", "off"),
                     help="on: decode steps' index scores on the Pallas decode kernel (Numerics.decode_index_kernel)")
-    ap.add_argument("--swiglu-quant", default="off", choices=("on", "off"),
+    ap.add_argument("--swiglu-quant", default="on", choices=("on", "off"),
                     help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant)")
     ap.add_argument("--pdl", action="store_true",
                     help="Numerics.kernel_pdl: the Mosaic GPU kernels under programmatic dependent launch")

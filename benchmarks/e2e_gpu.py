@@ -987,6 +987,10 @@ def main(argv=None):
     ap.add_argument("--swiglu-quant", default=None, choices=("on", "off"),
                     help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant; "
                     "default: the Numerics default)")
+    ap.add_argument("--decode-index-kernel", default=None, choices=("on", "off"),
+                    help="on: a decode step's index scores on the Pallas decode kernel "
+                    "(Numerics.decode_index_kernel; default: the Numerics default); with --sections decidx "
+                    "the A/B's other order")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -1066,6 +1070,8 @@ def main(argv=None):
                                    expert_swiglu_epilogue=args.swiglu_epilogue == "on")
     if args.swiglu_quant:
         numerics = dataclasses.replace(numerics, expert_swiglu_quant=args.swiglu_quant == "on")
+    if args.decode_index_kernel:
+        numerics = dataclasses.replace(numerics, decode_index_kernel=args.decode_index_kernel == "on")
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1084,6 +1090,7 @@ def main(argv=None):
     RESULTS["expert_w13_launch"] = numerics.expert_w13_launch
     RESULTS["expert_swiglu_epilogue"] = numerics.expert_swiglu_epilogue
     RESULTS["expert_swiglu_quant"] = numerics.expert_swiglu_quant
+    RESULTS["decode_index_kernel"] = numerics.decode_index_kernel
     RESULTS["attention_schedule"] = numerics.attention_schedule
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:

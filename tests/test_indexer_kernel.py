@@ -154,8 +154,9 @@ def _assert_close_with_the_same_mask(got, want):
 
 
 def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
-    """Numerics.kernels="indexer=interpret": a 64-query prefill chunk scores in the kernel, a decode step
-    (T = 1) and exact numerics on XLA; the scores agree to fp32 summation order (TOL) and the mask."""
+    """Numerics.kernels="indexer=interpret" without the decode kernel: a 64-query prefill chunk scores in
+    the kernel, a decode step (T = 1) and exact numerics on XLA; the scores agree to fp32 summation order
+    (TOL) and the mask."""
     from deepinfer_jax.model.numerics import Numerics
 
     run, calls = _model_scores(2), []
@@ -164,7 +165,7 @@ def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
 
         real = kernel_module.index_scores_pallas
         mp.setattr(kernel_module, "index_scores_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        wired = Numerics(kernels="indexer=interpret")
+        wired = Numerics(kernels="indexer=interpret", decode_index_kernel=False)
         got, want = run(64, wired)
         assert calls == [1]
         _assert_close_with_the_same_mask(got, want)
@@ -173,12 +174,12 @@ def test_model_routes_prefill_scores_to_the_kernel_and_decode_to_xla():
 
 
 def test_model_routes_decode_scores_to_the_decode_kernel_when_asked():
-    """Numerics.decode_index_kernel (off by default): a decode step's scores on the decode kernel
-    (interpreter), within fp32 summation order of XLA's and with the same mask; asked for heads it cannot
-    take (2: not a multiple of 8), the error says why."""
+    """Numerics.decode_index_kernel (on by default since session 35): a decode step's scores on the
+    decode kernel (interpreter), within fp32 summation order of XLA's and with the same mask; asked for
+    heads it cannot take (2: not a multiple of 8), the error says why."""
     from deepinfer_jax.model.numerics import Numerics
 
-    assert not Numerics().decode_index_kernel
+    assert Numerics().decode_index_kernel
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         import pallas_kernels.indexer.decode as decode_module

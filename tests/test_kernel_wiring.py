@@ -470,7 +470,7 @@ def test_swiglu_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg):
 
 @pytest.mark.timeout(300, method="thread")
 def test_swiglu_quantizer_in_the_epilogue_changes_no_bits_in_gpu_interpreter(tiny_cfg, monkeypatch):
-    """``Numerics.expert_swiglu_quant`` (default off until timed): with 64-row tiles (the form needs
+    """``Numerics.expert_swiglu_quant`` (on by default since session 35): with 64-row tiles (the form needs
     them; the interpreter's are raised to 64 here) the epilogue launch writes w2's bf16 rows, through
     the FP8 quantizer where fake_quant is on and the bf16 rounding alone where it is off; the routed
     experts' output has the bits of the float32 epilogue + XLA's quantizer either way."""
@@ -484,7 +484,7 @@ def test_swiglu_quantizer_in_the_epilogue_changes_no_bits_in_gpu_interpreter(tin
     experts = moe_module.prepare_experts_tile_major(moe_module.prepare_expert_scales(p))["experts"]
     x = jnp.asarray(rng.standard_normal((192, 256)), jnp.bfloat16)     # 384 routed rows: <= 1.5x padded
     ids, w = jax.block_until_ready(route(p["gate"], tiny_cfg, x, 2))
-    assert not Numerics.reference().expert_swiglu_quant
+    assert Numerics.reference().expert_swiglu_quant
     for fake_quant in (True, False):
         outs, calls = {}, {}
         for on in (True, False):

@@ -125,16 +125,22 @@ class Numerics:
     # rows would not fit beside eight (``swiglu_config``). On the H100 (session 34, 8192 x 6,
     # ``grouped_gemm_gpu.py --swiglu``): the same bits as the float32 epilogue + XLA's quantizer, 5.50
     # against 5.65 ms for h as w2 reads it (0.973x; the extra epilogue work and the lost stage take back
-    # most of the ~0.55 ms XLA pass). Off until the end-to-end A/B shows the gain (NOTES item -34(c)):
-    # ``e2e_gpu.py --sections pswigluq`` (its first run was cut off by the call's time).
-    expert_swiglu_quant: bool = False
+    # most of the ~0.55 ms XLA pass); with the staged tile swizzled (session 35, another H100) 5.82 against
+    # 5.86 ms at 8192 x 6 and 17.48 against 18.56 at 32768 x 6. End to end (session 35, 4-layer H100, 32k
+    # prompt, chunk 16384, ``e2e_gpu.py --sections ceil,prefill,pswigluq``): 98,918 against 97,947 tok/s
+    # (+1.0 %), so on (NOTES item -35(b)).
+    expert_swiglu_quant: bool = True
     # A decode step's index scores on the Pallas op's decode kernel (``pallas_kernels/indexer/decode.py``:
     # keys on the wgmma M side, one query a batch row) instead of XLA's dot into float32 [B, H, S] and
     # the fusion that reads it back (2 x 33 MB at B = 64, 4k, an indexer layer). Other rounding than XLA's
-    # head sum (still one fixed order a row: batch-invariant), so decode bits change with it. Built in
-    # session 34 from the deviceless decode listing, checked in the interpreter; off until timed and
-    # run through the GPU invariance tests (NOTES item -34(f); A/B: ``e2e_gpu.py --sections decidx``).
-    decode_index_kernel: bool = False
+    # head sum (still one fixed order a row: batch-invariant), so decode bits change with it on a GPU (the
+    # CPU never runs it). Built in session 34; in session 35 on an H100 (``indexer_gpu.py --decode``) the
+    # kernel's checks passed (reference within 2.6e-7, a row's bits alone and in the batch, -inf where
+    # unseen), and the 4-layer B=64 4k step took 8.68 / 8.70 ms with it against 8.77 / 8.75 without, in
+    # both orders (``e2e_gpu.py --sections ceil,decode,decidx [--decode-index-kernel on]``), so on
+    # (NOTES item -35(c)). Alone it is no faster than XLA's dot + head sum at 32 heads (84 against 53 us
+    # at 4,160 keys): the step gains from the passes around XLA's form that it replaces.
+    decode_index_kernel: bool = True
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel
