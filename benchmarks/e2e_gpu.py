@@ -991,6 +991,9 @@ def main(argv=None):
                     help="on: a decode step's index scores on the Pallas decode kernel "
                     "(Numerics.decode_index_kernel; default: the Numerics default); with --sections decidx "
                     "the A/B's other order")
+    ap.add_argument("--decode-index-tiles", type=int, default=None,
+                    help="Numerics.decode_index_tiles: key tiles a CTA of the decode index-score kernel scores "
+                    "(1: the one-tile form; 2-4: the streamed form)")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -1072,6 +1075,8 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, expert_swiglu_quant=args.swiglu_quant == "on")
     if args.decode_index_kernel:
         numerics = dataclasses.replace(numerics, decode_index_kernel=args.decode_index_kernel == "on")
+    if args.decode_index_tiles is not None:
+        numerics = dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles)
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1091,6 +1096,7 @@ def main(argv=None):
     RESULTS["expert_swiglu_epilogue"] = numerics.expert_swiglu_epilogue
     RESULTS["expert_swiglu_quant"] = numerics.expert_swiglu_quant
     RESULTS["decode_index_kernel"] = numerics.decode_index_kernel
+    RESULTS["decode_index_tiles"] = numerics.decode_index_tiles
     RESULTS["attention_schedule"] = numerics.attention_schedule
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:

@@ -4,6 +4,7 @@ skipping (bitwise), its CUDA lowering at V4.1's shapes, and the model's routing 
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -190,11 +191,14 @@ def test_model_routes_decode_scores_to_the_decode_kernel_when_asked():
         got, want = _model_scores(8)(1, wired)
         assert calls == [1]
         _assert_close_with_the_same_mask(got, want)
+        # Numerics.decode_index_tiles picks the streamed form: the same bits
+        streamed, _ = _model_scores(8)(1, dataclasses.replace(wired, decode_index_tiles=2))
+        assert calls == [1, 1] and np.array_equal(np.asarray(streamed), np.asarray(got))
         from pallas_kernels.registry import KernelUnavailableError
 
         with pytest.raises(KernelUnavailableError, match="multiple of 8"):
             _model_scores(2)(1, wired)
-        assert calls == [1]
+        assert calls == [1, 1]
 
 
 def test_decode_kernel_in_gpu_interpreter_matches_reference_and_is_batch_invariant():
@@ -223,4 +227,32 @@ def test_decode_kernel_in_gpu_interpreter_matches_reference_and_is_batch_invaria
     args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4160, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32))
     lowered = jax.jit(index_scores_decode_pallas).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_streamed_decode_forms_give_the_one_tile_forms_bits():
+    """``DecodeIndexConfig(tiles > 1)`` (a producer warpgroup streaming key tiles through a ring to two
+    consumers): bit for bit the one-tile form's scores, with whole tiles past a row's count skipped, a
+    CTA's last tiles past S, a single visible tile, and a row with none; no races; the shape checks; CUDA
+    lowering at the V4.1 decode shape."""
+    from pallas_kernels.indexer.config import DecodeIndexConfig
+    from pallas_kernels.indexer.decode import index_scores_decode_pallas
+
+    q, k, w = _inputs(30, 4, 1, 8, 1280)
+    n_vis = jnp.asarray([1280, 700, 10, 0], jnp.int32)
+    with gpu_interpreter(detect_races=True):
+        want = np.asarray(index_scores_decode_pallas(q[:, 0], k, w[:, 0], n_vis))
+        for cfg in (DecodeIndexConfig(tiles=2), DecodeIndexConfig(tiles=3, stages=2),
+                    DecodeIndexConfig(tiles=4, stages=3, tile_keys=128)):
+            got = np.asarray(jax.block_until_ready(index_scores_decode_pallas(q[:, 0], k, w[:, 0], n_vis, config=cfg)))
+            assert np.array_equal(got, want), cfg
+    assert not races_found()
+    assert np.all(np.isneginf(want[3])) and np.all(np.isneginf(want[2, 10:])) and np.isfinite(want[2, :10]).all()
+    for bad in (dict(tiles=5), dict(tiles=0), dict(stages=1), dict(tile_keys=64), dict(tiles=1, tile_keys=128)):
+        with pytest.raises(ValueError, match="DecodeIndexConfig"):
+            DecodeIndexConfig(**bad)
+    args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4352, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32))
+    lowered = jax.jit(lambda *a: index_scores_decode_pallas(*a, config=DecodeIndexConfig(tiles=4))).trace(
+        *args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()

@@ -57,13 +57,14 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # ratio-1 layer-chunk at chunk 16384; benchmarks/NOTES.md item -35).
     if route == "model":
         return index_scores_xla(iq, keys, w, n_visible)
+    config = IndexScoresConfig(decode_tiles=numerics.decode_index_tiles)
     if impl == "interpret":
         from pallas_kernels.indexer import index_scores_pallas    # (the decode kernel at T = 1)
         from pallas_kernels.interpret import gpu_interpreter
 
         with gpu_interpreter():
-            return index_scores_pallas(iq, keys, w, n_visible)
-    return index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO)
+            return index_scores_pallas(iq, keys, w, n_visible, config=config)
+    return index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO, config=config)
 
 
 def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: int, n_blocks: int) -> jax.Array:

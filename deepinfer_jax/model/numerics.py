@@ -141,6 +141,10 @@ class Numerics:
     # (NOTES item -35(c)). Alone it is no faster than XLA's dot + head sum at 32 heads (84 against 53 us
     # at 4,160 keys): the step gains from the passes around XLA's form that it replaces.
     decode_index_kernel: bool = True
+    # Key tiles a CTA of that kernel scores (``DecodeIndexConfig.tiles``): 1 = the form timed above; 2-4 =
+    # session 35's streamed form (a producer warpgroup and two consumers, q loaded once a CTA), the same
+    # bits, untimed (``benchmarks/indexer_gpu.py --decode``; in the step ``e2e_gpu.py --decode-index-tiles``).
+    decode_index_tiles: int = 1
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel

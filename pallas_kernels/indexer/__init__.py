@@ -44,10 +44,12 @@ def index_scores_pallas(q_bthd: jax.Array, k_bsd: jax.Array, w_bth: jax.Array, n
     """The Mosaic GPU implementation: the decode kernel at T = 1 where it takes the shape, else the
     prefill kernel. Lazy imports: the Mosaic GPU modules load only when a kernel is asked for."""
     if q_bthd.shape[1] == 1 and decode_unsupported_reason(q_bthd.shape[2], q_bthd.shape[3]) is None:
+        from pallas_kernels.indexer.config import DecodeIndexConfig
         from pallas_kernels.indexer.decode import index_scores_decode_pallas
 
         n_vis = None if n_visible_bt is None else n_visible_bt[:, 0]
-        return index_scores_decode_pallas(q_bthd[:, 0], k_bsd, w_bth[:, 0], n_vis)[:, None]
+        return index_scores_decode_pallas(q_bthd[:, 0], k_bsd, w_bth[:, 0], n_vis,
+                                          config=DecodeIndexConfig(tiles=config.decode_tiles))[:, None]
     from pallas_kernels.indexer.kernel import index_scores_pallas as impl
 
     return impl(q_bthd, k_bsd, w_bth, n_visible_bt, config=config)

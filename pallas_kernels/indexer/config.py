@@ -18,10 +18,12 @@ SMEM_LIMIT_BYTES = 232448 - 4096
 @dataclasses.dataclass(frozen=True)
 class IndexScoresConfig:
     """block_s: keys per CTA (the wgmma N dimension; the fp32 accumulator and the running sum each take
-    block_s / 2 registers per thread). stages: query-head tiles in flight per CTA."""
+    block_s / 2 registers per thread). stages: query-head tiles in flight per CTA. decode_tiles: the
+    decode kernel's ``DecodeIndexConfig.tiles`` (the op runs it at T = 1)."""
 
     block_s: int = 128
     stages: int = 3
+    decode_tiles: int = 1
 
     def __post_init__(self):
         if self.block_s not in (64, 128):
@@ -51,6 +53,37 @@ def kernel_unsupported_reason(num_heads: int, head_dim: int, config: IndexScores
     if (need := smem_bytes(num_heads, head_dim, config)) > SMEM_LIMIT_BYTES:
         return f"{num_heads} heads, block_s={config.block_s}, stages={config.stages} need {need} B of shared memory"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeIndexConfig:
+    """The decode kernel's shape (a speed choice only: a score's arithmetic is the same in every form).
+
+    tiles: key tiles a CTA scores. 1 is the session-34 form (one warpgroup loads q, the head weights and
+    one 256-key tile, then computes: no overlap inside a CTA). More: a producer warpgroup streams
+    ``tile_keys``-key tiles through a ``stages``-deep ring while two consumer warpgroups score half of
+    each, so q and the weights are loaded once a CTA and a tile's copy overlaps the scoring of the one
+    before. 128-key tiles (64 KB less shared memory at 2 stages) let two CTAs share an SM."""
+
+    tiles: int = 1
+    stages: int = 2
+    tile_keys: int = 256
+
+    def __post_init__(self):
+        # 5 or more tiles hung in the Mosaic GPU interpreter of jax 0.12.1 even when only the first was
+        # visible (two threads in barrier waits; cause not found: the attention kernel's FP4 variant hangs
+        # there too and runs on the GPU), so the forms the CPU tests can check are the ones allowed
+        if not 1 <= self.tiles <= 4:
+            raise ValueError(f"DecodeIndexConfig.tiles={self.tiles} must be 1 to 4")
+        if self.stages < 2:
+            raise ValueError(f"DecodeIndexConfig.stages={self.stages} must be at least 2")
+        if self.tile_keys not in (128, 256) or (self.tiles == 1 and self.tile_keys != 256):
+            raise ValueError(f"DecodeIndexConfig.tile_keys={self.tile_keys} must be 128 or 256 (256 with tiles=1)")
+
+
+def decode_smem_bytes(num_heads: int, head_dim: int, config: DecodeIndexConfig) -> int:
+    keys = (1 if config.tiles == 1 else config.stages) * config.tile_keys * head_dim * 2
+    return num_heads * head_dim * 2 + keys + config.tiles * config.tile_keys * 4
 
 
 def decode_unsupported_reason(num_heads: int, head_dim: int) -> str | None:
