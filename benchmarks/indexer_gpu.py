@@ -58,44 +58,57 @@ def copy_tb_s(n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / device_ms(jax.jit(lambda a: a + 1), a, reps=10)[0] / 1e9
 
 
-def decode_main(args) -> int:
-    from pallas_kernels.indexer.decode import index_scores_decode_pallas
+def kernel_checks(full, ref, alone, alone_in_batch, skipped, visible) -> dict:
+    """The checks every kernel run prints: the kernel's scores against the reference, a row alone against
+    the same row in the batch, visible scores with tiles skipped against without, -inf where unseen."""
+    return dict(rel_err_vs_reference=float(np.abs(full - ref).max() / np.abs(ref).max()),
+                batch_invariant=bool(np.array_equal(alone, alone_in_batch)),
+                skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])),
+                unseen_are_minus_inf=bool(np.all(np.isneginf(skipped[~visible]))))
 
+
+def checks_pass(checks: dict) -> bool:
+    """Within 1e-5 of the reference (fp32 summation order) and every bitwise check true."""
+    return checks["rel_err_vs_reference"] < 1e-5 and all(v for c, v in checks.items() if c != "rel_err_vs_reference")
+
+
+def write_results(out: str, name: str, res: dict) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(json.dumps(res, indent=1))
+
+
+def decode_main(args) -> int:
     from pallas_kernels.indexer.config import DecodeIndexConfig
+    from pallas_kernels.indexer.decode import index_scores_decode_pallas
 
     b, keys = args.batch, [int(v) for v in args.keys.split(",")]
     forms = {}
-    for spec in args.decode_forms.split(","):   # tiles[x tile_keys x stages]
-        parts = [int(v) for v in spec.split("x")]
-        cfg = DecodeIndexConfig(parts[0], *(parts[2:3] or [2]), *(parts[1:2] or [256]))
+    for spec in args.decode_forms.split(","):
+        cfg = DecodeIndexConfig.parse(spec)
         forms[spec] = jax.jit(lambda *a, cfg=cfg: index_scores_decode_pallas(*a, config=cfg))
     first = next(iter(forms))
     kern = forms[first]
     res = dict(jax=jax.__version__, device=str(jax.devices()[0]), copy_tb_s=copy_tb_s(), rows=[], checks={})
     print(f"{res['device']}; jax {res['jax']}; copy {res['copy_tb_s']:.2f} TB/s", flush=True)
     ok = True
+    xla = jax.jit(lambda q, k, w: index_scores_xla(q, k, w))
     for h in (32, 64):
         q, k, w = inputs(jax.random.key(h), b, 1, keys[0], heads=h)
         n_vis = jnp.arange(b, dtype=jnp.int32) * (keys[0] // b) + 1
-        alone_row = min(5, b - 1)
+        one = slice(min(5, b - 1), min(5, b - 1) + 1)   # the row run alone
         full = np.asarray(kern(q[:, 0], k, w[:, 0], None))
-        ref = np.asarray(index_scores_reference(q, k, w))[:, 0]
-        err = float(np.abs(full - ref).max() / np.abs(ref).max())
-        alone = np.asarray(kern(q[alone_row:alone_row + 1, 0], k[alone_row:alone_row + 1], w[alone_row:alone_row + 1, 0],
-                                None))
         skipped = np.asarray(kern(q[:, 0], k, w[:, 0], n_vis))
-        visible = np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None]
-        checks = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[alone_row:alone_row + 1])),
-                      skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])),
-                      unseen_are_minus_inf=bool(np.all(np.isneginf(skipped[~visible]))))
+        checks = kernel_checks(full, np.asarray(index_scores_reference(q, k, w))[:, 0],
+                               np.asarray(kern(q[one, 0], k[one], w[one, 0], None)), full[one], skipped,
+                               np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None])
         for spec, other in list(forms.items())[1:]:   # every form: the first form's bits, skips included
             checks[f"form_{spec}_same_bits"] = bool(
                 np.array_equal(np.asarray(other(q[:, 0], k, w[:, 0], None)), full)
                 and np.array_equal(np.asarray(other(q[:, 0], k, w[:, 0], n_vis)), skipped))
         res["checks"][f"heads{h}"] = checks
-        ok &= err < 1e-5 and all(v for c, v in checks.items() if c != "rel_err_vs_reference")
+        ok &= checks_pass(checks)
         print(f"checks, {h} heads: {checks}", flush=True)
-        xla = jax.jit(lambda q, k, w: index_scores_xla(q, k, w))
         for s in keys:
             q, k, w = inputs(jax.random.key(s + h), b, 1, s, heads=h)
             # tens of microseconds: device time where CUPTI has it, not the wall clock's launch overhead
@@ -109,9 +122,7 @@ def decode_main(args) -> int:
                 print(f"decode B={b} H={h} S={s:6d} form {spec:9s}: kernel {ms * 1e3:7.1f} us, XLA "
                       f"{xla_ms * 1e3:7.1f} us ({xla_ms / ms:.2f}x, {timer}), keys read at {frac:.0%} of copy",
                       flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexer_gpu_decode.json").write_text(json.dumps(res, indent=1))
+    write_results(args.out, "indexer_gpu_decode.json", res)
     return 0 if ok else 1
 
 
@@ -150,16 +161,12 @@ def main(argv=None) -> int:
     n_vis = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (s - t + 1), (2, t))
     kern = jax.jit(lambda q, k, w, nv: index_scores_pallas(q, k, w, nv, config=configs[0]))
     full = np.asarray(kern(q, k, w, None))
-    ref = np.asarray(index_scores_reference(q, k, w))
-    err = float(np.abs(full - ref).max() / np.abs(ref).max())
-    alone = np.asarray(kern(q[1:], k[1:], w[1:], None))
-    skipped = np.asarray(kern(q, k, w, n_vis))
-    visible = np.arange(s)[None, None, :] < np.asarray(n_vis)[:, :, None]
-    res["checks"] = dict(rel_err_vs_reference=err, batch_invariant=bool(np.array_equal(alone, full[1:])),
-                         skip_keeps_visible_bits=bool(np.array_equal(skipped[visible], full[visible])),
-                         unseen_are_minus_inf=bool(np.all(np.isneginf(skipped[~visible]))))
+    res["checks"] = kernel_checks(full, np.asarray(index_scores_reference(q, k, w)),
+                                  np.asarray(kern(q[1:], k[1:], w[1:], None)), full[1:],
+                                  np.asarray(kern(q, k, w, n_vis)),
+                                  np.arange(s)[None, None, :] < np.asarray(n_vis)[:, :, None])
     print(f"checks: {res['checks']}", flush=True)
-    del q, k, w, full, ref, alone, skipped
+    del q, k, w, full
 
     xla = jax.jit(index_scores_xla)
     for s in (int(v) for v in args.keys.split(",")):
@@ -179,14 +186,10 @@ def main(argv=None) -> int:
                 print(f"S={s:6d} {row['config']:6s} {label:6s}: kernel {ms:7.3f} ms, XLA {xla_ms:7.3f} ms "
                       f"({xla_ms / ms:.2f}x), {tflops:6.1f} TFLOP/s = {row['dense_fraction']:.0%} of dense",
                       flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexer_gpu.json").write_text(json.dumps(res, indent=1))
+    write_results(args.out, "indexer_gpu.json", res)
     if interpreter is not None:
         interpreter.close()
-    ok = err < 1e-5 and all(res["checks"][c] for c in ("batch_invariant", "skip_keeps_visible_bits",
-                                                         "unseen_are_minus_inf"))
-    return 0 if ok else 1
+    return 0 if checks_pass(res["checks"]) else 1
 
 
 if __name__ == "__main__":

@@ -256,3 +256,14 @@ def test_streamed_decode_forms_give_the_one_tile_forms_bits():
     lowered = jax.jit(lambda *a: index_scores_decode_pallas(*a, config=DecodeIndexConfig(tiles=4))).trace(
         *args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_decode_form_specs_parse_to_their_configs():
+    """The benchmarks' --forms: 'tiles[x tile_keys[x stages]]'."""
+    from pallas_kernels.indexer.config import DecodeIndexConfig
+
+    assert DecodeIndexConfig.parse("1") == DecodeIndexConfig()
+    assert DecodeIndexConfig.parse("4x128x3") == DecodeIndexConfig(tiles=4, stages=3, tile_keys=128)
+    assert DecodeIndexConfig.parse("2x256") == DecodeIndexConfig(tiles=2)
+    with pytest.raises(ValueError, match="DecodeIndexConfig"):
+        DecodeIndexConfig.parse("5")

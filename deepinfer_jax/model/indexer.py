@@ -48,16 +48,16 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # (the op's decode kernel: untimed, other rounding than XLA's head sum).
     route, impl = "model", None
     decode = t == 1 and numerics.decode_index_kernel
+    config = IndexScoresConfig(decode_tiles=numerics.decode_index_tiles)
     if numerics.fake_quant and (t >= QUERY_ROWS or decode):
         route, impl = kernel_route(numerics, "indexer", "index_scores",
                                    decode_unsupported_reason(hi, di) if decode
-                                   else kernel_unsupported_reason(hi, di, IndexScoresConfig()))
+                                   else kernel_unsupported_reason(hi, di, config))
     # Every route writes -inf past each query's visible entries itself: a mask here would be one more
     # pass over [T, S] float32 scores that XLA writes out as the top-k's conditional operand (2.1 GB a
     # ratio-1 layer-chunk at chunk 16384; benchmarks/NOTES.md item -35).
     if route == "model":
         return index_scores_xla(iq, keys, w, n_visible)
-    config = IndexScoresConfig(decode_tiles=numerics.decode_index_tiles)
     if impl == "interpret":
         from pallas_kernels.indexer import index_scores_pallas    # (the decode kernel at T = 1)
         from pallas_kernels.interpret import gpu_interpreter

@@ -81,6 +81,14 @@ class DecodeIndexConfig:
             raise ValueError(f"DecodeIndexConfig.tile_keys={self.tile_keys} must be 128 or 256 (256 with tiles=1)")
 
 
+    @classmethod
+    def parse(cls, spec: str) -> "DecodeIndexConfig":
+        """'tiles[x tile_keys[x stages]]', e.g. '1', '4x128x3' (the benchmarks' --forms)."""
+        parts = [int(v) for v in spec.split("x")]
+        return cls(tiles=parts[0], tile_keys=parts[1] if len(parts) > 1 else 256,
+                   stages=parts[2] if len(parts) > 2 else 2)
+
+
 def decode_smem_bytes(num_heads: int, head_dim: int, config: DecodeIndexConfig) -> int:
     keys = (1 if config.tiles == 1 else config.stages) * config.tile_keys * head_dim * 2
     return num_heads * head_dim * 2 + keys + config.tiles * config.tile_keys * 4

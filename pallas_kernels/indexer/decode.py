@@ -47,6 +47,22 @@ KEY_ROWS = 64        # keys a wgmma (its M side)
 BLOCK_KEYS = 256     # keys a CTA in the one-tile form
 
 
+def _score_keys(keys_smem, q_smem, w, key0, n_vis, h: int):
+    """Scores of the 64 keys in ``keys_smem`` ([64, D] in shared memory, the first key's index ``key0``)
+    for one query: sum_h w[h] relu(q[h] . k), -inf at keys >= n_vis -> [64] float32 in the row layout
+    of the wgmma accumulator. Every form of the kernel scores through here, so they agree bit for bit."""
+    def dot(acc_ref):
+        plgpu.wgmma(acc_ref, keys_smem, q_smem.T)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    s = pl.run_scoped(dot, plgpu.ACC((KEY_ROWS, h), jnp.float32))
+    terms = jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (KEY_ROWS, h), [1])
+    # an unseen key's every head term is -inf, so its sum is -inf (no column reduce layout needed)
+    keys = key0 + plgpu.broadcasted_iota(jnp.int32, (KEY_ROWS, h), 0, layout=plgpu.Layout.WGMMA)
+    return jnp.sum(jnp.where(keys < n_vis, terms, -jnp.inf), axis=1)
+
+
 def _build(b: int, h: int, s_pad: int, d: int):
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -63,18 +79,8 @@ def _build(b: int, h: int, s_pad: int, d: int):
             plgpu.barrier_wait(bar.at[0])
             w = plgpu.load(w_ref.at[bi], layout=col_layout, optimized=False)       # [H] head weights
             for c in range(BLOCK_KEYS // KEY_ROWS):
-                def dot(acc_ref, c=c):
-                    plgpu.wgmma(acc_ref, k_smem.at[pl.ds(c * KEY_ROWS, KEY_ROWS)], q_smem.T)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(dot, plgpu.ACC((KEY_ROWS, h), jnp.float32))
-                terms = jnp.maximum(s, 0.0) * lax.broadcast_in_dim(w, (KEY_ROWS, h), [1])
-                # an unseen key's every head term is -inf, so its sum is -inf (no column reduce layout needed)
-                keys = s0 + c * KEY_ROWS + plgpu.broadcasted_iota(jnp.int32, (KEY_ROWS, h), 0,
-                                                                  layout=plgpu.Layout.WGMMA)
-                terms = jnp.where(keys < nvis_ref[bi], terms, -jnp.inf)
-                o_smem.at[pl.ds(c * KEY_ROWS, KEY_ROWS)][...] = jnp.sum(terms, axis=1)
+                rows = pl.ds(c * KEY_ROWS, KEY_ROWS)
+                o_smem.at[rows][...] = _score_keys(k_smem.at[rows], q_smem, w, s0 + c * KEY_ROWS, nvis_ref[bi], h)
 
         @pl.when(jnp.logical_not(active))
         def _():
@@ -147,22 +153,12 @@ def _build_streamed(b: int, h: int, s_pad: int, d: int, tiles: int, stages: int,
                 slot, out = t % stages, pl.ds(t * tile + c * half, half)
 
                 @pl.when(active[t])
-                def _(t=t, slot=slot, out=out):
+                def _(t=t, slot=slot):
                     plgpu.barrier_wait(full.at[slot])
                     for j in range(half // KEY_ROWS):
                         row0 = c * half + j * KEY_ROWS
-
-                        def dot(acc_ref, row0=row0):
-                            plgpu.wgmma(acc_ref, k_smem.at[slot, pl.ds(row0, KEY_ROWS)], q_smem.T)
-                            plgpu.wgmma_wait(0)
-                            return acc_ref[...]
-
-                        sc = pl.run_scoped(dot, plgpu.ACC((KEY_ROWS, h), jnp.float32))
-                        terms = jnp.maximum(sc, 0.0) * lax.broadcast_in_dim(w, (KEY_ROWS, h), [1])
-                        keys = base + t * tile + row0 + plgpu.broadcasted_iota(
-                            jnp.int32, (KEY_ROWS, h), 0, layout=plgpu.Layout.WGMMA)
-                        terms = jnp.where(keys < n_vis, terms, -jnp.inf)
-                        o_smem.at[pl.ds(t * tile + row0, KEY_ROWS)][...] = jnp.sum(terms, axis=1)
+                        o_smem.at[pl.ds(t * tile + row0, KEY_ROWS)][...] = _score_keys(
+                            k_smem.at[slot, pl.ds(row0, KEY_ROWS)], q_smem, w, base + t * tile + row0, n_vis, h)
                     plgpu.barrier_arrive(empty.at[slot])
 
                 @pl.when(jnp.logical_and(exists[t], jnp.logical_not(active[t])))
