@@ -75,6 +75,8 @@ Sections:
 * decidx: the decode row at --profile-batch and the first context with the other setting of
   ``Numerics.decode_index_kernel`` (a decode step's index scores on the Pallas decode kernel, or XLA's
   dot and head-sum fusion): the A/B on one machine (other bits: the first-step digests may differ).
+* dectiles: the decode row at --profile-batch and the first context with ``Numerics.decode_index_tiles``
+  at --decode-index-tiles-ab (the streamed decode index-score form): the A/B on one machine (same bits).
 * pdl: the decode row at --profile-batch and the first context with the Mosaic GPU kernels (grouped
   GEMM, attention, Sinkhorn) under programmatic dependent launch (``Numerics.kernel_pdl``): the A/B on
   one machine (same bits: the first step's token digest must match the decode row's).
@@ -939,7 +941,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
-            "pswiglu", "pswigluq", "decidx", "nographs",
+            "pswiglu", "pswigluq", "decidx", "dectiles", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -994,6 +996,8 @@ def main(argv=None):
     ap.add_argument("--decode-index-tiles", type=int, default=None,
                     help="Numerics.decode_index_tiles: key tiles a CTA of the decode index-score kernel scores "
                     "(1: the one-tile form; 2-4: the streamed form)")
+    ap.add_argument("--decode-index-tiles-ab", type=int, default=4,
+                    help="with --sections dectiles: the Numerics.decode_index_tiles the A/B row runs")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
                     help="off: the routed experts' w1 and w3 as two kernel launches (Numerics.expert_w13_launch)")
     ap.add_argument("--topk-prefilter", default="on", choices=("on", "off"),
@@ -1156,6 +1160,10 @@ def main(argv=None):
         section("decode-index-kernel", run_decode, out, m,
                 dataclasses.replace(numerics, decode_index_kernel=not numerics.decode_index_kernel),
                 [args.profile_batch], contexts[:1], max_len, "decode-index-kernel")
+    if "dectiles" in want:   # A/B of Numerics.decode_index_tiles against the decode section's row
+        section("decode-index-tiles", run_decode, out, m,
+                dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles_ab),
+                [args.profile_batch], contexts[:1], max_len, f"decode-index-tiles-{args.decode_index_tiles_ab}")
     if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
         section("pdl-decode", run_decode, out, m, dataclasses.replace(numerics, kernel_pdl=True),
                 [args.profile_batch], contexts[:1], max_len, "kernel-pdl")
