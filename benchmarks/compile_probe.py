@@ -147,6 +147,9 @@ def main(argv=None) -> int:
                     help="Numerics.attention_schedule (the bf16 attention kernel's schedule)")
     ap.add_argument("--decode-index-kernel", default="on", choices=("on", "off"),
                     help="on: decode steps' index scores on the Pallas decode kernel (Numerics.decode_index_kernel)")
+    ap.add_argument("--decode-index-fp4", default=None, choices=("on", "off"),
+                    help="on: the decode index kernel's FP4 form over the cache as stored (Numerics.decode_index_fp4; "
+                    "default: the Numerics default)")
     ap.add_argument("--swiglu-quant", default="on", choices=("on", "off"),
                     help="on: h's activation quantizer in the SwiGLU epilogue (Numerics.expert_swiglu_quant)")
     ap.add_argument("--pdl", action="store_true",
@@ -187,6 +190,8 @@ def main(argv=None) -> int:
                                    decode_index_kernel=args.decode_index_kernel == "on")
     if args.dense_kernel is not None:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
+    if args.decode_index_fp4 is not None:
+        numerics = dataclasses.replace(numerics, decode_index_fp4=args.decode_index_fp4 == "on")
     if args.dense_kernel_linears is not None:
         numerics = dataclasses.replace(numerics, dense_kernel_linears=parse_linear_names(args.dense_kernel_linears))
     numerics = with_segment_rows(numerics, args.sinkhorn_segment_rows)

@@ -75,6 +75,9 @@ Sections:
 * decidx: the decode row at --profile-batch and the first context with the other setting of
   ``Numerics.decode_index_kernel`` (a decode step's index scores on the Pallas decode kernel, or XLA's
   dot and head-sum fusion): the A/B on one machine (other bits: the first-step digests may differ).
+* decfp4: the decode row at --profile-batch and the first context with the other setting of
+  ``Numerics.decode_index_fp4`` (the decode index kernel's FP4 form over the cache as stored, or XLA's
+  decode of the cache then the bf16 kernel): the A/B on one machine (other bits: the digests may differ).
 * dectiles: the decode row at --profile-batch and the first context with ``Numerics.decode_index_tiles``
   at --decode-index-tiles-ab (the streamed decode index-score form): the A/B on one machine (same bits).
 * pdl: the decode row at --profile-batch and the first context with the Mosaic GPU kernels (grouped
@@ -941,7 +944,7 @@ def with_decode_block_m(block_m: int) -> None:
 
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
-            "pswiglu", "pswigluq", "decidx", "dectiles", "nographs",
+            "pswiglu", "pswigluq", "decidx", "dectiles", "decfp4", "nographs",
             "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
@@ -996,6 +999,10 @@ def main(argv=None):
     ap.add_argument("--decode-index-tiles", type=int, default=None,
                     help="Numerics.decode_index_tiles: key tiles a CTA of the decode index-score kernel scores "
                     "(1: the one-tile form; 2-4: the streamed form)")
+    ap.add_argument("--decode-index-fp4", default=None, choices=("on", "off"),
+                    help="on: the decode index kernel's FP4 form over the index cache as stored "
+                    "(Numerics.decode_index_fp4; default: the Numerics default); with --sections decfp4 the "
+                    "A/B's other order")
     ap.add_argument("--decode-index-tiles-ab", type=int, default=4,
                     help="with --sections dectiles: the Numerics.decode_index_tiles the A/B row runs")
     ap.add_argument("--w13-launch", default="on", choices=("on", "off"),
@@ -1081,6 +1088,8 @@ def main(argv=None):
         numerics = dataclasses.replace(numerics, decode_index_kernel=args.decode_index_kernel == "on")
     if args.decode_index_tiles is not None:
         numerics = dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles)
+    if args.decode_index_fp4:
+        numerics = dataclasses.replace(numerics, decode_index_fp4=args.decode_index_fp4 == "on")
     if args.dense_kernel:
         numerics = dataclasses.replace(numerics, dense_kernel=args.dense_kernel)
     if args.dense_kernel_linears:
@@ -1101,6 +1110,7 @@ def main(argv=None):
     RESULTS["expert_swiglu_quant"] = numerics.expert_swiglu_quant
     RESULTS["decode_index_kernel"] = numerics.decode_index_kernel
     RESULTS["decode_index_tiles"] = numerics.decode_index_tiles
+    RESULTS["decode_index_fp4"] = numerics.decode_index_fp4
     RESULTS["attention_schedule"] = numerics.attention_schedule
     RESULTS["sinkhorn_segment_rows"] = numerics.sinkhorn_segment_rows
     if args.y_transposed:
@@ -1164,6 +1174,10 @@ def main(argv=None):
         section("decode-index-tiles", run_decode, out, m,
                 dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles_ab),
                 [args.profile_batch], contexts[:1], max_len, f"decode-index-tiles-{args.decode_index_tiles_ab}")
+    if "decfp4" in want:   # A/B of Numerics.decode_index_fp4 against the decode section's row
+        section("decode-index-fp4", run_decode, out, m,
+                dataclasses.replace(numerics, decode_index_fp4=not numerics.decode_index_fp4),
+                [args.profile_batch], contexts[:1], max_len, "decode-index-fp4")
     if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
         section("pdl-decode", run_decode, out, m, dataclasses.replace(numerics, kernel_pdl=True),
                 [args.profile_batch], contexts[:1], max_len, "kernel-pdl")

@@ -5,7 +5,8 @@
 
 Needs a jax with CUDA (the ../aotenv of benchmarks/NOTES.md). The kernel runs at V4.1's decode shape
 (B = 64 queries, 32 index heads of 128, --keys index entries); ptxas prints each form's registers and
-spills. Forms as in ``indexer_gpu.py --decode-forms``: tiles[x tile_keys x stages].
+spills. Forms as in ``indexer_gpu.py --decode-forms``: tiles[x tile_keys x stages], or "fp4" (the
+FP4 form over the index cache as stored, ``decode_fp4``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     from pallas_kernels.indexer.decode import index_scores_decode_pallas
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--forms", default="1,2x256x2,4x256x2,4x128x3")
+    ap.add_argument("--forms", default="1,2x256x2,4x256x2,4x128x3,fp4")
     ap.add_argument("--keys", type=int, default=4352)
     ap.add_argument("--heads", type=int, default=32)
     args = ap.parse_args(argv)
@@ -36,6 +37,13 @@ def main(argv=None) -> int:
     operands = (spec((64, args.heads, 128), jnp.bfloat16), spec((64, args.keys, 128), jnp.bfloat16),
                 spec((64, args.heads), jnp.float32), spec((64,), jnp.int32))
     for form in args.forms.split(","):
+        if form == "fp4":
+            from pallas_kernels.indexer.decode_fp4 import index_scores_decode_fp4_pallas
+
+            print("== fp4: the index cache as stored", flush=True)
+            stored = (spec((64, args.keys, 64), jnp.uint8), spec((64, args.keys, 4), jnp.float8_e8m0fnu))
+            index_scores_decode_fp4_pallas.trace(operands[0], *stored, *operands[2:]).lower().compile()
+            continue
         cfg = DecodeIndexConfig.parse(form)
         print(f"== {form}: {cfg}", flush=True)
         jax.jit(lambda *a, cfg=cfg: index_scores_decode_pallas(*a, config=cfg)).trace(*operands).lower().compile()

@@ -19,7 +19,9 @@ runs the decode kernel (``decode.index_scores_decode_pallas``: one query a batch
 32 and 64 heads) instead, in each ``--decode-forms`` form (``DecodeIndexConfig``): the same checks
 (reference, a row alone against in the batch, visible scores with tiles skipped, -inf where unseen,
 every form the first form's bits), then each form's ms against the XLA path's and the bytes it must
-read (the keys) over its time, as a fraction of a copy's bandwidth measured here.
+read (the keys) over its time, as a fraction of a copy's bandwidth measured here. The "fp4" form
+(``decode_fp4``: the index cache as stored, 68 B a key) has the same checks against the reference over
+the decoded keys and is timed against XLA's decode of the cache followed by the first form.
 """
 
 from __future__ import annotations
@@ -78,13 +80,62 @@ def write_results(out: str, name: str, res: dict) -> None:
     (path / name).write_text(json.dumps(res, indent=1))
 
 
+def stored_index_keys(k_bsd):
+    """bf16 keys -> (the index cache as stored: packed E2M1 values, E8M0 scales; its decoded bf16 keys)."""
+    from deepinfer_jax.model import kv_codec
+
+    stored = jax.jit(lambda k: kv_codec.encode(kv_codec.INDEX_K, k.astype(jnp.float32), True, jnp.bfloat16))(k_bsd)
+    return stored, jax.jit(lambda st: kv_codec.decode(kv_codec.INDEX_K, st, jnp.bfloat16))(stored)
+
+
+def fp4_rows(args, kern, b: int, keys: list[int], copy: float) -> tuple[dict, list[dict], bool]:
+    """The FP4 form (``decode_fp4``: the index cache as stored) at 32 and 64 heads: its checks against the
+    reference over the decoded keys (informational: whether it has the bf16 kernel's bits), then its time
+    against the model's path without it (XLA's decode of the cache, then the bf16 kernel ``kern``), and
+    its bytes (68 a key) over its time as a fraction of copy."""
+    from deepinfer_jax.model import kv_codec
+    from pallas_kernels.indexer.decode_fp4 import index_scores_decode_fp4_pallas
+
+    fp4 = jax.jit(index_scores_decode_fp4_pallas)
+    decoded_then_bf16 = jax.jit(lambda q, st, w: kern(q, kv_codec.decode(kv_codec.INDEX_K, st, jnp.bfloat16), w, None))
+    checks, rows, ok = {}, [], True
+    for h in (32, 64):
+        q, k, w = inputs(jax.random.key(h), b, 1, keys[0], heads=h)
+        stored, k_dec = stored_index_keys(k)
+        n_vis = jnp.arange(b, dtype=jnp.int32) * (keys[0] // b) + 1
+        one = slice(min(5, b - 1), min(5, b - 1) + 1)
+        full = np.asarray(fp4(q[:, 0], stored["values"], stored["scale"], w[:, 0]))
+        skipped = np.asarray(fp4(q[:, 0], stored["values"], stored["scale"], w[:, 0], n_vis))
+        c = kernel_checks(full, np.asarray(index_scores_reference(q, k_dec, w))[:, 0],
+                          np.asarray(fp4(q[one, 0], stored["values"][one], stored["scale"][one], w[one, 0])),
+                          full[one], skipped, np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None])
+        ok &= checks_pass(c)
+        c["bf16_kernels_bits"] = bool(np.array_equal(full, np.asarray(kern(q[:, 0], k_dec, w[:, 0], None))))
+        checks[f"fp4_heads{h}"] = c
+        print(f"checks, FP4 form, {h} heads: {c}", flush=True)
+        for s in keys:
+            q, k, w = inputs(jax.random.key(s + h), b, 1, s, heads=h)
+            stored, _ = stored_index_keys(k)
+            base_ms, _ = device_ms(decoded_then_bf16, q[:, 0], stored, w[:, 0], reps=10)
+            ms, timer = device_ms(fp4, q[:, 0], stored["values"], stored["scale"], w[:, 0], reps=10)
+            frac = b * s * (D // 2 + D // 32) / ms / 1e9 / copy
+            rows.append(dict(heads=h, keys=s, form="fp4", kernel_ms=ms, decode_then_bf16_kernel_ms=base_ms,
+                             speedup_vs_decode_then_bf16=base_ms / ms, copy_fraction=frac, timer=timer))
+            print(f"decode B={b} H={h} S={s:6d} form fp4      : kernel {ms * 1e3:7.1f} us, decode + bf16 kernel "
+                  f"{base_ms * 1e3:7.1f} us ({base_ms / ms:.2f}x, {timer}), stored keys read at {frac:.0%} of copy",
+                  flush=True)
+    return checks, rows, ok
+
+
 def decode_main(args) -> int:
     from pallas_kernels.indexer.config import DecodeIndexConfig
     from pallas_kernels.indexer.decode import index_scores_decode_pallas
 
     b, keys = args.batch, [int(v) for v in args.keys.split(",")]
     forms = {}
-    for spec in args.decode_forms.split(","):
+    specs = args.decode_forms.split(",")
+    with_fp4 = "fp4" in specs
+    for spec in (s for s in specs if s != "fp4"):
         cfg = DecodeIndexConfig.parse(spec)
         forms[spec] = jax.jit(lambda *a, cfg=cfg: index_scores_decode_pallas(*a, config=cfg))
     first = next(iter(forms))
@@ -122,6 +173,11 @@ def decode_main(args) -> int:
                 print(f"decode B={b} H={h} S={s:6d} form {spec:9s}: kernel {ms * 1e3:7.1f} us, XLA "
                       f"{xla_ms * 1e3:7.1f} us ({xla_ms / ms:.2f}x, {timer}), keys read at {frac:.0%} of copy",
                       flush=True)
+    if with_fp4:
+        checks, rows, fp4_ok = fp4_rows(args, kern, b, keys, res["copy_tb_s"])
+        res["checks"].update(checks)
+        res["rows"] += rows
+        ok &= fp4_ok
     write_results(args.out, "indexer_gpu_decode.json", res)
     return 0 if ok else 1
 
@@ -133,9 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default="8192,32784")
     ap.add_argument("--configs", default="128x3,64x4", help="block_s x stages, comma-separated")
     ap.add_argument("--batch", type=int, default=64, help="with --decode: batch rows (queries)")
-    ap.add_argument("--decode-forms", default="1,2x256x2,4x256x2,4x128x3",
+    ap.add_argument("--decode-forms", default="1,2x256x2,4x256x2,4x128x3,fp4",
                     help="with --decode: DecodeIndexConfig forms as tiles[x tile_keys x stages], the first "
-                    "the reference for the same-bits checks")
+                    "the reference for the same-bits checks; 'fp4': the FP4 form over the cache as stored "
+                    "(decode_fp4), timed against XLA's decode of the cache + the first form")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     t = args.queries

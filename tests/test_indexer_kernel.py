@@ -123,9 +123,10 @@ def test_op_dispatch_and_unsupported_shapes():
         IndexScoresConfig(block_s=256)
 
 
-def _model_scores(hi: int):
+def _model_scores(hi: int, stored: bool = False):
     """run(t, numerics) -> (indexer.index_scores with those numerics, with the reference numerics) for
-    one random row of a toy indexer with ``hi`` heads of 128 dims over 90 keys."""
+    one random row of a toy indexer with ``hi`` heads of 128 dims over 90 keys (stored: the keys as the
+    index cache stores them, ``kv_codec.INDEX_K``)."""
     from deepinfer_jax.config import RopeSpec
     from deepinfer_jax.model import indexer
     from deepinfer_jax.model.numerics import Numerics
@@ -138,6 +139,8 @@ def _model_scores(hi: int):
          "weights_proj": {"weight": jnp.asarray(r.standard_normal((hi, d)) / 5, jnp.float32)}}
     inv_freq = rope_inv_freq(RopeSpec(160000.0, 16.0, 32, 1, 256), di)
     keys = jnp.asarray(r.standard_normal((1, s, di)), jnp.bfloat16)
+    if stored:
+        keys = _stored_keys(keys)[0]
 
     def run(t, numerics):
         x = jnp.asarray(r.standard_normal((1, t, d)), jnp.bfloat16)
@@ -267,3 +270,81 @@ def test_decode_form_specs_parse_to_their_configs():
     assert DecodeIndexConfig.parse("2x256") == DecodeIndexConfig(tiles=2)
     with pytest.raises(ValueError, match="DecodeIndexConfig"):
         DecodeIndexConfig.parse("5")
+
+
+def _stored_keys(k_bsd):
+    """Keys -> the index cache as stored (packed E2M1 + E8M0, ``kv_codec.INDEX_K``) and its decoded bf16 keys."""
+    from deepinfer_jax.model import kv_codec
+
+    stored = kv_codec.encode(kv_codec.INDEX_K, jnp.asarray(k_bsd, jnp.float32), True, jnp.bfloat16)
+    return stored, kv_codec.decode(kv_codec.INDEX_K, stored, jnp.bfloat16)
+
+
+def test_fp4_decode_kernel_reads_the_stored_cache_as_the_decoded_keys():
+    """``indexer.decode_fp4`` (the index cache as stored, decoded tile by tile in shared memory): the
+    reference's scores over ``kv_codec.decode``'s keys to fp32 summation order (TOL) at 8 and 32 heads,
+    with a ragged last tile, an all-zero key, -inf past each row's visible count and in skipped tiles; a
+    row's bits alone and in a batch; no races; the shape checks; CUDA lowering at the V4.1 decode shape."""
+    from pallas_kernels.indexer.decode_fp4 import index_scores_decode_fp4_pallas
+
+    for h in (8, 32):
+        q, k, w = _inputs(40 + h, 3, 1, h, 600)
+        k = k.at[0, 5].set(0.0)     # an all-zero key: its scale is E8M0's smallest, its score 0 x w
+        stored, k_dec = _stored_keys(k)
+        n_vis = jnp.asarray([600, 300, 10])
+        with gpu_interpreter(detect_races=True):
+            got = np.asarray(jax.block_until_ready(index_scores_decode_fp4_pallas(
+                q[:, 0], stored["values"], stored["scale"], w[:, 0], n_vis)))
+        assert not races_found()
+        want = np.asarray(index_scores_reference(q, k_dec, w))[:, 0]
+        for row, n in enumerate((600, 300, 10)):
+            assert _rel(got[row, :n], want[row, :n]) < TOL, (h, row)
+            assert np.all(np.isneginf(got[row, n:])), (h, row)
+        assert got[0, 5] == 0.0
+    with gpu_interpreter():
+        alone = np.asarray(index_scores_decode_fp4_pallas(q[2:, 0], stored["values"][2:], stored["scale"][2:],
+                                                          w[2:, 0], n_vis[2:]))
+    assert np.array_equal(got[2:], alone)
+    with pytest.raises(ValueError, match="must be"):
+        index_scores_decode_fp4_pallas(q[:, 0], stored["values"][:, :, :32], stored["scale"], w[:, 0])
+    args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 4352, 64), jnp.uint8),
+            jax.ShapeDtypeStruct((64, 4352, 4), jnp.float8_e8m0fnu), jax.ShapeDtypeStruct((64, 32), jnp.float32),
+            jax.ShapeDtypeStruct((64,), jnp.int32))
+    lowered = jax.jit(index_scores_decode_fp4_pallas).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_fp4_decode_kernels_scale_is_exact_for_every_e8m0_byte():
+    """The kernel's scale 2^(e - 127) from the byte's bits: ml_dtypes' E8M0 value for every byte (0: the
+    float32 subnormal 2^-127; 255: NaN)."""
+    from pallas_kernels.indexer.decode_fp4 import _e8m0_to_f32
+
+    e = np.arange(256, dtype=np.uint8)
+    got = np.asarray(_e8m0_to_f32(jnp.asarray(e)))
+    want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(e), jnp.float8_e8m0fnu).astype(jnp.float32))
+    assert np.array_equal(got[:255].view(np.uint32), want[:255].view(np.uint32)) and np.isnan(got[255])
+    assert got[0] == 2.0 ** -127 and got[254] == 2.0 ** 127
+
+
+def test_model_routes_decode_scores_to_the_fp4_kernel_when_asked():
+    """Numerics.decode_index_fp4 with the index cache as stored: a decode step's scores on the FP4
+    kernel (interpreter), within fp32 summation order of the reference numerics' over the decoded keys
+    and with the same mask; off, the same stored cache is decoded for the bf16 kernel; prefill chunks
+    and exact numerics decode it too."""
+    from deepinfer_jax.model.numerics import Numerics
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        import pallas_kernels.indexer.decode_fp4 as fp4_module
+
+        real = fp4_module.index_scores_decode_fp4_pallas
+        mp.setattr(fp4_module, "index_scores_decode_fp4_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        wired = Numerics(kernels="indexer=interpret", decode_index_kernel=True, decode_index_fp4=True)
+        got, want = _model_scores(8, stored=True)(1, wired)
+        assert calls == [1]
+        _assert_close_with_the_same_mask(got, want)
+        bf16_kernel, _ = _model_scores(8, stored=True)(1, dataclasses.replace(wired, decode_index_fp4=False))
+        assert calls == [1]
+        _assert_close_with_the_same_mask(bf16_kernel, want)
+        _model_scores(8, stored=True)(64, wired)
+        assert calls == [1]

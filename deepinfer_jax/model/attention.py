@@ -190,8 +190,9 @@ def _select(p: dict, cfg: ModelConfig, plan: LayerPlan, x_btd: jax.Array, qr: ja
             src: dict, published: dict, inv_freq: jax.Array, numerics: Numerics) -> jax.Array:
     """The indexer of a layer with its own index query: scores over the source's index keys, the
     candidate mask it publishes or obeys, top-k -> idx [B, T, index_topk] (also published)."""
-    index_k = kv_codec.decode(kv_codec.layouts(cfg).index_k, src["index_k"], numerics.dtype)
-    scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, index_k, plan.ratio, inv_freq, numerics)
+    # (the cache as stored: the indexer decodes it, or its decode kernel's FP4 form reads it so)
+    scores = indexer.index_scores(p["indexer"], cfg, x_btd, qr, pos_bt, src["index_k"], plan.ratio, inv_freq,
+                                  numerics)
     if plan.is_candidate_source:
         published["candidate_mask"] = indexer.candidate_mask(
             scores, pos_bt, plan.ratio, cfg.candidate_block_size, cfg.candidate_topk_blocks)

@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.model import kv_codec
 from deepinfer_jax.model.linear import plain_linear, quant_linear
 from deepinfer_jax.model.numerics import Numerics, fake_quant_fp4_pow2, kernel_route
 from deepinfer_jax.model.rope import apply_rope
 from pallas_kernels.indexer import (IndexScoresConfig, decode_unsupported_reason, index_scores as index_scores_op,
                                     index_scores_xla, kernel_unsupported_reason)
 from pallas_kernels.indexer.config import QUERY_ROWS
-from pallas_kernels.registry import AUTO, XLA
+from pallas_kernels.registry import AUTO, PALLAS_MOSAIC_GPU, XLA
 from pallas_kernels.topk import topk_indices
 from pallas_kernels.topk.select import top_mask
 
@@ -27,8 +28,12 @@ def index_keys(p: dict, latent_btd: jax.Array, key_pos_bt: jax.Array, inv_freq, 
 
 
 def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array, pos_bt: jax.Array,
-                 index_k_bsd: jax.Array, ratio: int, inv_freq, numerics: Numerics) -> jax.Array:
-    """I[b, t, s] = sum_h w[t, h] relu(iq[t, h] . K[s]); -inf where entry s is not yet visible."""
+                 index_k: jax.Array | dict, ratio: int, inv_freq, numerics: Numerics) -> jax.Array:
+    """I[b, t, s] = sum_h w[t, h] relu(iq[t, h] . K[s]); -inf where entry s is not yet visible.
+
+    index_k: the keys K [B, S, D], or the index cache as stored (a ``kv_codec`` storage dict in the
+    ``kv_codec.INDEX_K`` layout): a decode step on the decode kernel's FP4 form
+    (``Numerics.decode_index_fp4``) then reads it as stored; every other path decodes it first."""
     b, t, _ = x_btd.shape
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     iq = quant_linear(qr_btr, p["wq_b"], numerics, act_block=cfg.act_quant_block).reshape(b, t, hi, di)
@@ -41,7 +46,7 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # tensor cores; fp32 operands ran on the GPU's fp32 units at 1/15 the rate (855 of 5,328 ms of a
     # 32k prefill on the H200, benchmarks/NOTES.md). Unquantized (exact) numerics keep fp32 operands.
     op_dtype = jnp.bfloat16 if numerics.fake_quant else jnp.float32
-    iq, keys = iq.astype(op_dtype), index_k_bsd.astype(op_dtype)
+    iq = iq.astype(op_dtype)
     n_visible = visible_entries(pos_bt, ratio)
     # The kernel serves prefill chunks of fake-quantized values; exact fp32 numerics always score here,
     # whatever Numerics.kernels says, and decode steps (T = 1) too unless Numerics.decode_index_kernel
@@ -56,6 +61,11 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
     # Every route writes -inf past each query's visible entries itself: a mask here would be one more
     # pass over [T, S] float32 scores that XLA writes out as the top-k's conditional operand (2.1 GB a
     # ratio-1 layer-chunk at chunk 16384; benchmarks/NOTES.md item -35).
+    stored = index_k if isinstance(index_k, dict) else None
+    if (decode and numerics.decode_index_fp4 and impl in ("interpret", PALLAS_MOSAIC_GPU) and stored is not None
+            and "scale" in stored):
+        return _decode_scores_fp4(iq, stored, w, n_visible, impl)
+    keys = (index_k if stored is None else kv_codec.decode(kv_codec.INDEX_K, stored, op_dtype)).astype(op_dtype)
     if route == "model":
         return index_scores_xla(iq, keys, w, n_visible)
     if impl == "interpret":
@@ -65,6 +75,20 @@ def index_scores(p: dict, cfg: ModelConfig, x_btd: jax.Array, qr_btr: jax.Array,
         with gpu_interpreter():
             return index_scores_pallas(iq, keys, w, n_visible, config=config)
     return index_scores_op(iq, keys, w, n_visible, impl=impl, selection=AUTO, config=config)
+
+
+def _decode_scores_fp4(iq_bthd: jax.Array, stored: dict, w_bth: jax.Array, n_visible_bt: jax.Array,
+                       impl: str) -> jax.Array:
+    """A decode step's scores [B, 1, S] on the decode kernel's FP4 form, over the cache as stored."""
+    from pallas_kernels.indexer.decode_fp4 import index_scores_decode_fp4_pallas
+
+    args = (iq_bthd[:, 0], stored["values"], stored["scale"], w_bth[:, 0], n_visible_bt[:, 0])
+    if impl == "interpret":
+        from pallas_kernels.interpret import gpu_interpreter
+
+        with gpu_interpreter():
+            return index_scores_decode_fp4_pallas(*args)[:, None]
+    return index_scores_decode_fp4_pallas(*args)[:, None]
 
 
 def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: int, n_blocks: int) -> jax.Array:

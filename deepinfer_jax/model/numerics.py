@@ -145,6 +145,15 @@ class Numerics:
     # session 35's streamed form (a producer warpgroup and two consumers, q loaded once a CTA), the same
     # bits, untimed (``benchmarks/indexer_gpu.py --decode``; in the step ``e2e_gpu.py --decode-index-tiles``).
     decode_index_tiles: int = 1
+    # With the decode kernel on and a quantized index cache: the kernel's FP4 form
+    # (``pallas_kernels/indexer/decode_fp4.py``) reads the cache as stored (packed E2M1 + E8M0 scales,
+    # 68 B a key) and decodes each tile in shared memory, instead of an XLA pass per indexer layer that
+    # writes the bf16 keys (256 B a key) the bf16 kernel then reads: at B = 64, 4k context, 19 MB read
+    # once against 19 + 71 + 71 MB in a ratio-1 layer. The same products (exact) summed in a permuted
+    # column order: a score may move in its last bits against the bf16 kernel's; batch-invariant.
+    # Session 36, untimed: ``benchmarks/indexer_gpu.py --decode`` (the "fp4" form), then
+    # ``e2e_gpu.py --sections ceil,decode,decfp4``.
+    decode_index_fp4: bool = False
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel

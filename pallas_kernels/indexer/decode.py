@@ -63,6 +63,18 @@ def _score_keys(keys_smem, q_smem, w, key0, n_vis, h: int):
     return jnp.sum(jnp.where(keys < n_vis, terms, -jnp.inf), axis=1)
 
 
+def write_tile(active, o_smem, o_gmem) -> None:
+    """The one-tile forms' end: a tile wholly past the row's visible keys scores -inf (it computed
+    nothing); the tile's scores go out by TMA."""
+    @pl.when(jnp.logical_not(active))
+    def _():
+        o_smem[...] = jnp.full(o_smem.shape, -jnp.inf, jnp.float32)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _build(b: int, h: int, s_pad: int, d: int):
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -82,13 +94,7 @@ def _build(b: int, h: int, s_pad: int, d: int):
                 rows = pl.ds(c * KEY_ROWS, KEY_ROWS)
                 o_smem.at[rows][...] = _score_keys(k_smem.at[rows], q_smem, w, s0 + c * KEY_ROWS, nvis_ref[bi], h)
 
-        @pl.when(jnp.logical_not(active))
-        def _():
-            o_smem[...] = jnp.full((BLOCK_KEYS,), -jnp.inf, jnp.float32)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bi, pl.ds(s0, BLOCK_KEYS)])
-        plgpu.wait_smem_to_gmem(0)
+        write_tile(active, o_smem, o_ref.at[bi, pl.ds(s0, BLOCK_KEYS)])
 
     scratch = (
         (plgpu.SMEM((h, d), jnp.bfloat16, transforms=tiled(128, 2)),
