@@ -327,12 +327,13 @@ def test_fp4_decode_kernels_scale_is_exact_for_every_e8m0_byte():
 
 
 def test_model_routes_decode_scores_to_the_fp4_kernel_when_asked():
-    """Numerics.decode_index_fp4 with the index cache as stored: a decode step's scores on the FP4
-    kernel (interpreter), within fp32 summation order of the reference numerics' over the decoded keys
+    """Numerics.decode_index_fp4 (on by default since session 36) with the index cache as stored: a decode
+    step's scores on the FP4 kernel (interpreter), within fp32 summation order of the reference numerics' over the decoded keys
     and with the same mask; off, the same stored cache is decoded for the bf16 kernel; prefill chunks
     and exact numerics decode it too."""
     from deepinfer_jax.model.numerics import Numerics
 
+    assert Numerics().decode_index_fp4
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         import pallas_kernels.indexer.decode_fp4 as fp4_module

@@ -138,8 +138,8 @@ class Numerics:
     # kernel's checks passed (reference within 2.6e-7, a row's bits alone and in the batch, -inf where
     # unseen), and the 4-layer B=64 4k step took 8.68 / 8.70 ms with it against 8.77 / 8.75 without, in
     # both orders (``e2e_gpu.py --sections ceil,decode,decidx [--decode-index-kernel on]``), so on
-    # (NOTES item -35(c)). Alone it is no faster than XLA's dot + head sum at 32 heads (84 against 53 us
-    # at 4,160 keys): the step gains from the passes around XLA's form that it replaces.
+    # (NOTES item -35(c)). Alone, at 4,352 keys (a multiple of 256, as the model's caches are), 28.6
+    # against XLA's 50.9 us (session 36; session 35's 84 us was at 4,160 keys, padded inside the timing).
     decode_index_kernel: bool = True
     # Key tiles a CTA of that kernel scores (``DecodeIndexConfig.tiles``): 1 = the form timed above; 2-4 =
     # session 35's streamed form (a producer warpgroup and two consumers, q loaded once a CTA), the same
@@ -148,12 +148,13 @@ class Numerics:
     # With the decode kernel on and a quantized index cache: the kernel's FP4 form
     # (``pallas_kernels/indexer/decode_fp4.py``) reads the cache as stored (packed E2M1 + E8M0 scales,
     # 68 B a key) and decodes each tile in shared memory, instead of an XLA pass per indexer layer that
-    # writes the bf16 keys (256 B a key) the bf16 kernel then reads: at B = 64, 4k context, 19 MB read
-    # once against 19 + 71 + 71 MB in a ratio-1 layer. The same products (exact) summed in a permuted
-    # column order: a score may move in its last bits against the bf16 kernel's; batch-invariant.
-    # Session 36, untimed: ``benchmarks/indexer_gpu.py --decode`` (the "fp4" form), then
-    # ``e2e_gpu.py --sections ceil,decode,decfp4``.
-    decode_index_fp4: bool = False
+    # writes the bf16 keys (256 B a key) the bf16 kernel then reads. The same exact products summed in a
+    # permuted column order (the H100 gave the bf16 kernel's bits on the benchmark's inputs); batch-
+    # invariant. Session 36 on an H100 (``benchmarks/indexer_gpu.py --decode``, B = 64, 32 heads): 26.3
+    # against 120.7 us for XLA's decode + the bf16 kernel at 4,352 entries (a ratio-1 layer at 4k), 17.3
+    # against 63.7 at 2,304 (ratio 2); checks pass (reference, a row alone = in the batch, -inf where
+    # unseen), so on. The step's A/B (``e2e_gpu.py --sections ceil,decode,decfp4``) did not fit that call.
+    decode_index_fp4: bool = True
     # The Mosaic GPU kernels of a step (the grouped GEMM for the routed experts and the dense FP8 linears,
     # the attention kernel, the Sinkhorn kernel) under programmatic dependent launch (``pdl`` in their
     # configs, ``pallas_kernels.mosaic.wait_for_prior_grids``): the driver may start each while the kernel

@@ -15,13 +15,13 @@ the [B, S] scores are written.
 Two forms (``DecodeIndexConfig``), the same scores bit for bit:
 
 * ``tiles=1`` (``_build``, session 34; the default): one CTA per (batch row, 256 keys), one warpgroup
-  that loads q, the head weights and the tile, then scores it. On an H100 at B = 64, 32 heads, 4,160
-  keys it took 83.9 us against XLA's 53.1 (keys read at 27 % of copy): every CTA waits for its own
-  loads, with nothing to overlap them.
-* ``tiles=2..4`` (``_build_streamed``, session 35; untimed): one CTA per (batch row, ``tiles`` tiles):
-  a producer warpgroup loads q once and streams the tiles through a ring while two consumer warpgroups
-  score half of each tile, so a tile's copy overlaps the scoring of the one before
-  (``benchmarks/indexer_gpu.py --decode`` times both forms).
+  that loads q, the head weights and the tile, then scores it. On an H100 at B = 64, 32 heads, 4,352
+  keys: 28.6 us against XLA's 50.9 (keys read at 82 % of copy; session 36). Session 35's 83.9 us was at
+  4,160 keys, which the wrapper pads to whole tiles (a copy of the keys inside the timed function).
+* ``tiles=2..4`` (``_build_streamed``, session 35): one CTA per (batch row, ``tiles`` tiles): a producer
+  warpgroup loads q once and streams the tiles through a ring while two consumer warpgroups score half
+  of each tile, so a tile's copy overlaps the scoring of the one before. On the same H100: 28.6 / 29.1
+  us (4x256x2 / 4x128x3), no faster (``benchmarks/indexer_gpu.py --decode`` times the forms).
 
 Invariance: a score is a function of its query, its key and the head weights only (one wgmma chain
 over the 128-dim dot per (key, head), a fixed reduction over heads). Keys at or past the row's visible
