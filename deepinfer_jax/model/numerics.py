@@ -143,7 +143,8 @@ class Numerics:
     decode_index_kernel: bool = True
     # Key tiles a CTA of that kernel scores (``DecodeIndexConfig.tiles``): 1 = the form timed above; 2-4 =
     # session 35's streamed form (a producer warpgroup and two consumers, q loaded once a CTA), the same
-    # bits, untimed (``benchmarks/indexer_gpu.py --decode``; in the step ``e2e_gpu.py --decode-index-tiles``).
+    # bits. On an H100 (session 36, ``benchmarks/indexer_gpu.py --decode``) no faster: 28.6 / 29.1 us
+    # (4x256x2 / 4x128x3) against 28.6 at 4,352 keys, so 1. The FP4 form below has the one-tile shape.
     decode_index_tiles: int = 1
     # With the decode kernel on and a quantized index cache: the kernel's FP4 form
     # (``pallas_kernels/indexer/decode_fp4.py``) reads the cache as stored (packed E2M1 + E8M0 scales,
