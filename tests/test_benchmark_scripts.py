@@ -189,3 +189,22 @@ ENTRY %main (x: f32[4,8], i: s32[]) -> u32[4] {
     assert not any("fused_add" in name for _, name, _, _ in rows) and len(rows) == 3
     # --list: the entry's launches in order with their result and operand shapes (branches not entered)
     assert hlo_sites.launch_listing(hlo) == [("fusion", "jit(f)/layer2/mlp/convert", "bf16[4,8]{1,0}", ["f32[4,8]{1,0}"])]
+
+
+@pytest.mark.slow
+def test_indexer_decode_script_checks_pass_on_the_cpu(tmp_path):
+    """``indexer_gpu.py --decode`` with its kernels in the Mosaic GPU interpreter (B = 2, 256 keys): every
+    form's checks pass (the one-tile form, a streamed form with the same bits, the FP4 form over the
+    cache as stored), so the script a device call runs has no error of its own; a row per form, heads
+    and key count."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    import indexer_gpu
+
+    assert indexer_gpu.main(["--decode", "--batch", "2", "--keys", "256", "--decode-forms", "1,2x128x2,fp4",
+                             "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "indexer_gpu_decode.json").read_text())
+    assert {(r["form"], r["heads"]) for r in res["rows"]} == {(f, h) for f in ("1", "2x128x2", "fp4") for h in (32, 64)}
+    assert res["checks"]["heads32"]["form_2x128x2_same_bits"] and res["checks"]["fp4_heads64"]["batch_invariant"]
