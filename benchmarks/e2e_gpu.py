@@ -1151,48 +1151,42 @@ def main(argv=None):
     max_len = max(contexts) + 64
     if "decode" in want:
         section("decode", run_decode, out, m, numerics, batches, contexts, max_len, "kernels")
+    def decode_ab(name, label, ab_numerics, *extra, model=m):
+        """A decode row at --profile-batch and the first context, to set beside the decode section's."""
+        section(name, run_decode, out, model, ab_numerics, [args.profile_batch], contexts[:1], max_len, label, *extra)
+
     if "fullsampler" in want:   # A/B of the sampler's plan against the decode section's row
-        section("full-sampler-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
-                "full-sampler", 10, SamplerPlan())
+        decode_ab("full-sampler-decode", "full-sampler", numerics, 10, SamplerPlan())
     if "searchbits" in want:   # A/B of the search's bits per pass: the decode rows' own plan at 4 bits
-        section("search-bits4-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
-                "search-bits-4", 10, SamplerPlan(sampled=True, top_k=False, top_p=True, search_bits=4))
+        decode_ab("search-bits4-decode", "search-bits-4", numerics, 10,
+                  SamplerPlan(sampled=True, top_k=False, top_p=True, search_bits=4))
     if "nographs" in want:   # A/B: kernels launched one by one instead of as one CUDA graph per program
-        section("no-graphs-decode", run_decode, out, m, numerics, [args.profile_batch], contexts[:1], max_len,
-                "no-graphs", 10, None, (("xla_gpu_enable_command_buffer", ""),))
+        decode_ab("no-graphs-decode", "no-graphs", numerics, 10, None, (("xla_gpu_enable_command_buffer", ""),))
     if "bf16experts" in want:   # A/B of Numerics.expert_operands on the same machine as the decode row
-        section("bf16-experts-decode", run_decode, out, m, dataclasses.replace(numerics, expert_operands="bf16"),
-                [args.profile_batch], contexts[:1], max_len, "bf16-experts")
+        decode_ab("bf16-experts-decode", "bf16-experts", dataclasses.replace(numerics, expert_operands="bf16"))
     if "w13two" in want:   # A/B of Numerics.expert_w13_launch against the decode section's row
-        section("w13-two-launches-decode", run_decode, out, m, dataclasses.replace(numerics, expert_w13_launch=False),
-                [args.profile_batch], contexts[:1], max_len, "w13-two-launches")
+        decode_ab("w13-two-launches-decode", "w13-two-launches",
+                  dataclasses.replace(numerics, expert_w13_launch=False))
     if "decidx" in want:   # A/B of Numerics.decode_index_kernel against the decode section's row
-        section("decode-index-kernel", run_decode, out, m,
-                dataclasses.replace(numerics, decode_index_kernel=not numerics.decode_index_kernel),
-                [args.profile_batch], contexts[:1], max_len, "decode-index-kernel")
+        decode_ab("decode-index-kernel", "decode-index-kernel",
+                  dataclasses.replace(numerics, decode_index_kernel=not numerics.decode_index_kernel))
     if "dectiles" in want:   # A/B of Numerics.decode_index_tiles against the decode section's row
-        section("decode-index-tiles", run_decode, out, m,
-                dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles_ab),
-                [args.profile_batch], contexts[:1], max_len, f"decode-index-tiles-{args.decode_index_tiles_ab}")
+        decode_ab("decode-index-tiles", f"decode-index-tiles-{args.decode_index_tiles_ab}",
+                  dataclasses.replace(numerics, decode_index_tiles=args.decode_index_tiles_ab))
     if "decfp4" in want:   # A/B of Numerics.decode_index_fp4 against the decode section's row
-        section("decode-index-fp4", run_decode, out, m,
-                dataclasses.replace(numerics, decode_index_fp4=not numerics.decode_index_fp4),
-                [args.profile_batch], contexts[:1], max_len, "decode-index-fp4")
+        decode_ab("decode-index-fp4", "decode-index-fp4",
+                  dataclasses.replace(numerics, decode_index_fp4=not numerics.decode_index_fp4))
     if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
-        section("pdl-decode", run_decode, out, m, dataclasses.replace(numerics, kernel_pdl=True),
-                [args.profile_batch], contexts[:1], max_len, "kernel-pdl")
+        decode_ab("pdl-decode", "kernel-pdl", dataclasses.replace(numerics, kernel_pdl=True))
     if "densexla" in want and params_dense_xla is not None:   # A/B of Numerics.dense_kernel: XLA's bf16 dots
-        section("dense-xla-decode", run_decode, out, dataclasses.replace(m, params=params_dense_xla),
-                dataclasses.replace(numerics, dense_kernel="off"), [args.profile_batch], contexts[:1], max_len,
-                "dense-xla")
+        decode_ab("dense-xla-decode", "dense-xla", dataclasses.replace(numerics, dense_kernel="off"),
+                  model=dataclasses.replace(m, params=params_dense_xla))
     if "gatherattn" in want:   # A/B of the attention's decode form against the decode section's row
-        section("gather-attn-decode", run_decode, out, m, dataclasses.replace(
-                    numerics, attention_fp4_rows="gather-decode"), [args.profile_batch], contexts[:1], max_len,
-                "gather-attn")
+        decode_ab("gather-attn-decode", "gather-attn",
+                  dataclasses.replace(numerics, attention_fp4_rows="gather-decode"))
     if "unroll" in want:   # A/B of Numerics.sinkhorn_unroll against the decode section's row
-        section("unroll-decode", run_decode, out, m, dataclasses.replace(
-                    numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"),
-                [args.profile_batch], contexts[:1], max_len, "sinkhorn-loop")
+        decode_ab("unroll-decode", "sinkhorn-loop",
+                  dataclasses.replace(numerics, sinkhorn_unroll=False, kernels=f"{numerics.kernels},sinkhorn=xla"))
     if "host" in want:
         section("host", run_host, out, m, numerics, args.profile_batch, contexts[0], max_len)
     if "timeline" in want:

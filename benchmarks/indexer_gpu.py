@@ -80,6 +80,19 @@ def write_results(out: str, name: str, res: dict) -> None:
     (path / name).write_text(json.dumps(res, indent=1))
 
 
+def decode_checks(score, ref, b: int, s: int):
+    """The decode kernels' checks (``kernel_checks``) for ``score(rows, n_visible) -> [rows, S]``, the form
+    under test on batch rows ``rows``, against ``ref`` [B, S]; every row sees a different prefix of the S
+    keys. -> (checks, scores with every key visible, scores with the prefixes, the prefixes)."""
+    n_vis = jnp.arange(b, dtype=jnp.int32) * (s // b) + 1
+    one = slice(min(5, b - 1), min(5, b - 1) + 1)   # the row run alone
+    full = np.asarray(score(slice(None), None))
+    skipped = np.asarray(score(slice(None), n_vis))
+    checks = kernel_checks(full, ref, np.asarray(score(one, None)), full[one], skipped,
+                           np.arange(s)[None, :] < np.asarray(n_vis)[:, None])
+    return checks, full, skipped, n_vis
+
+
 def stored_index_keys(k_bsd):
     """bf16 keys -> (the index cache as stored: packed E2M1 values, E8M0 scales; its decoded bf16 keys)."""
     from deepinfer_jax.model import kv_codec
@@ -88,7 +101,7 @@ def stored_index_keys(k_bsd):
     return stored, jax.jit(lambda st: kv_codec.decode(kv_codec.INDEX_K, st, jnp.bfloat16))(stored)
 
 
-def fp4_rows(args, kern, b: int, keys: list[int], copy: float) -> tuple[dict, list[dict], bool]:
+def fp4_rows(kern, b: int, keys: list[int], copy: float) -> tuple[dict, list[dict], bool]:
     """The FP4 form (``decode_fp4``: the index cache as stored) at 32 and 64 heads: its checks against the
     reference over the decoded keys (informational: whether it has the bf16 kernel's bits), then its time
     against the model's path without it (XLA's decode of the cache, then the bf16 kernel ``kern``), and
@@ -102,13 +115,9 @@ def fp4_rows(args, kern, b: int, keys: list[int], copy: float) -> tuple[dict, li
     for h in (32, 64):
         q, k, w = inputs(jax.random.key(h), b, 1, keys[0], heads=h)
         stored, k_dec = stored_index_keys(k)
-        n_vis = jnp.arange(b, dtype=jnp.int32) * (keys[0] // b) + 1
-        one = slice(min(5, b - 1), min(5, b - 1) + 1)
-        full = np.asarray(fp4(q[:, 0], stored["values"], stored["scale"], w[:, 0]))
-        skipped = np.asarray(fp4(q[:, 0], stored["values"], stored["scale"], w[:, 0], n_vis))
-        c = kernel_checks(full, np.asarray(index_scores_reference(q, k_dec, w))[:, 0],
-                          np.asarray(fp4(q[one, 0], stored["values"][one], stored["scale"][one], w[one, 0])),
-                          full[one], skipped, np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None])
+        c, full, _, _ = decode_checks(
+            lambda r, nv: fp4(q[r, 0], stored["values"][r], stored["scale"][r], w[r, 0], nv),
+            np.asarray(index_scores_reference(q, k_dec, w))[:, 0], b, keys[0])
         ok &= checks_pass(c)
         c["bf16_kernels_bits"] = bool(np.array_equal(full, np.asarray(kern(q[:, 0], k_dec, w[:, 0], None))))
         checks[f"fp4_heads{h}"] = c
@@ -146,13 +155,8 @@ def decode_main(args) -> int:
     xla = jax.jit(lambda q, k, w: index_scores_xla(q, k, w))
     for h in (32, 64):
         q, k, w = inputs(jax.random.key(h), b, 1, keys[0], heads=h)
-        n_vis = jnp.arange(b, dtype=jnp.int32) * (keys[0] // b) + 1
-        one = slice(min(5, b - 1), min(5, b - 1) + 1)   # the row run alone
-        full = np.asarray(kern(q[:, 0], k, w[:, 0], None))
-        skipped = np.asarray(kern(q[:, 0], k, w[:, 0], n_vis))
-        checks = kernel_checks(full, np.asarray(index_scores_reference(q, k, w))[:, 0],
-                               np.asarray(kern(q[one, 0], k[one], w[one, 0], None)), full[one], skipped,
-                               np.arange(keys[0])[None, :] < np.asarray(n_vis)[:, None])
+        checks, full, skipped, n_vis = decode_checks(lambda r, nv: kern(q[r, 0], k[r], w[r, 0], nv),
+                                                     np.asarray(index_scores_reference(q, k, w))[:, 0], b, keys[0])
         for spec, other in list(forms.items())[1:]:   # every form: the first form's bits, skips included
             checks[f"form_{spec}_same_bits"] = bool(
                 np.array_equal(np.asarray(other(q[:, 0], k, w[:, 0], None)), full)
@@ -174,7 +178,7 @@ def decode_main(args) -> int:
                       f"{xla_ms * 1e3:7.1f} us ({xla_ms / ms:.2f}x, {timer}), keys read at {frac:.0%} of copy",
                       flush=True)
     if with_fp4:
-        checks, rows, fp4_ok = fp4_rows(args, kern, b, keys, res["copy_tb_s"])
+        checks, rows, fp4_ok = fp4_rows(kern, b, keys, res["copy_tb_s"])
         res["checks"].update(checks)
         res["rows"] += rows
         ok &= fp4_ok

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -82,13 +84,11 @@ def _decode_scores_fp4(iq_bthd: jax.Array, stored: dict, w_bth: jax.Array, n_vis
     """A decode step's scores [B, 1, S] on the decode kernel's FP4 form, over the cache as stored."""
     from pallas_kernels.indexer.decode_fp4 import index_scores_decode_fp4_pallas
 
-    args = (iq_bthd[:, 0], stored["values"], stored["scale"], w_bth[:, 0], n_visible_bt[:, 0])
-    if impl == "interpret":
-        from pallas_kernels.interpret import gpu_interpreter
+    from pallas_kernels.interpret import gpu_interpreter
 
-        with gpu_interpreter():
-            return index_scores_decode_fp4_pallas(*args)[:, None]
-    return index_scores_decode_fp4_pallas(*args)[:, None]
+    with gpu_interpreter() if impl == "interpret" else contextlib.nullcontext():
+        return index_scores_decode_fp4_pallas(iq_bthd[:, 0], stored["values"], stored["scale"], w_bth[:, 0],
+                                              n_visible_bt[:, 0])[:, None]
 
 
 def candidate_mask(scores_bts: jax.Array, pos_bt: jax.Array, ratio: int, block: int, n_blocks: int) -> jax.Array:
