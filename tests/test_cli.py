@@ -41,6 +41,7 @@ def example_run(tiny_ckpt, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_the_100_request_example(example_run):
     recs = _records(example_run)
     assert len(recs) == 100 and [r["id"] for r in recs] == _ids_in(EXAMPLES)  # input order
@@ -53,6 +54,7 @@ def test_the_100_request_example(example_run):
     assert openai and all(r["custom_id"] == r["id"] for r in openai)
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_cli_results_are_the_api_bits(example_run, tiny_ckpt):
     """Three of the 100 requests, run alone through the API with the same ids, give the same bits as they
     did inside the CLI's full batch."""

@@ -175,6 +175,7 @@ def test_grouped_wo_a_kernel_route_matches_the_einsum():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=3e-5 * float(jnp.max(jnp.abs(want))))
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_prepared_tiny_model_keeps_its_logits_bits(tiny_params, tiny_cfg, tiny_token_map):
     """The held layout on the tiny model (its linears are narrower than the kernel's tiles, so prepared
     here with 32-wide tiles: the layout, not the kernel): every dense FP8 linear, attention's grouped

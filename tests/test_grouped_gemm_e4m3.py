@@ -138,6 +138,7 @@ def test_e4m3_kernel_in_gpu_interpreter_matches_the_float64_oracle(fmt):
     assert np.all(got[[3, 8]] == 0)                      # ids -1 and G give zero rows
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 @pytest.mark.parametrize("fmt", _QUANT, ids=lambda f: f.value)
 def test_e4m3_kernel_row_bits_do_not_depend_on_the_batch_or_the_launch(fmt):
     """A row alone and among others (sharing its tile) gives the same bits; so do the persistent launch,

@@ -131,6 +131,7 @@ def test_window_index_lists_every_visible_key_in_order():
     assert np.asarray(mask).sum(-1).max() == w     # the realistic masks do fill the window
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_chunk_window_index_is_the_masks_window_index():
     """chunk_window_index (the kernel routes' window columns, no [B, T, W+T] mask) equals window_index of
     window_keys' mask for chunks as the engine makes them (one run of consecutive positions, anywhere in
@@ -750,6 +751,7 @@ def test_gpu_forms_of_mhc_run_the_tiny_model_close_to_the_cpu_forms(tiny_params,
     assert top1_same >= 0.9 * len(real), (top1_same, len(real))
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_mhc_split_made_at_load_changes_no_bits(tiny_params, tiny_cfg, tiny_token_map):
     """mhc.prepare_stream_dots (the engine does it at load with the bf16 stream dot) holds each hc_*_fn's
     bf16 parts, which stream_dot otherwise made in every step: the GPU forms' logits keep their bits,

@@ -23,6 +23,7 @@ from deepinfer_jax.sharding import make_mesh, tree_paths
 from test_sharding import mesh_test_config, multidev, random_params, run_multidevice, run_two_processes
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_multidevice_suite():
     run_multidevice(__file__, "multidev_")
 

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from deepinfer_jax.model.cache import init_cache
 from deepinfer_jax.model.transformer import Numerics, forward
@@ -70,6 +71,7 @@ def test_chunked_prefill_equals_full_exact(tiny_params, tiny_cfg, tiny_token_map
         np.testing.assert_allclose(chunked[i, :len(p)], full[i, :len(p)], atol=EXACT_ATOL, rtol=0)
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_reference_numerics_prefill_vs_decode(tiny_params, tiny_cfg, tiny_token_map):
     """BF16 + fake-quant: paths may differ by bf16 rounding (and rare quantizer flips); greedy tokens agree."""
     num = Numerics.reference()
@@ -98,6 +100,7 @@ def test_slot_and_neighbour_invariance_bitwise(tiny_params, tiny_cfg, tiny_token
     assert np.array_equal(alone[:11].view(np.uint32), mixed[:11].view(np.uint32))
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_unrolled_sinkhorn_is_the_same_model(tiny_params, tiny_cfg, tiny_token_map):
     """Numerics.sinkhorn_unroll (no while loop on the GPU) computes the same rounds: fp32 logits within
     the fp32 path tolerance of the loop version (it may fuse differently, so not bitwise)."""

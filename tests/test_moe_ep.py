@@ -65,6 +65,7 @@ def test_bad_combine_is_refused(moe_case):
                           mesh=make_mesh("data=1"), combine="tree")
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_multidevice_suite():
     run_multidevice(__file__, "multidev_")
 

@@ -94,6 +94,7 @@ def test_cli_convert(tiny_ckpt, tmp_path):
     assert main(["convert", "--src", str(tiny_ckpt), "--dst", str(dst), "--quiet"]) == 2  # not empty
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_multidevice_suite():
     run_multidevice(__file__, "multidev_")
 

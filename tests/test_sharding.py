@@ -205,6 +205,7 @@ def test_distributed_environment_parsing():
         spec_from_env({"MASTER_ADDR": "h0", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "x"})
 
 
+@pytest.mark.slow   # 0.5-3 min on CI's 2 cores: .ci/run runs it after the default suite
 def test_multidevice_suite():
     run_multidevice(__file__, "multidev_")
 
