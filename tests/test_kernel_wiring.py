@@ -738,15 +738,17 @@ def test_gpu_forms_of_mhc_run_the_tiny_model_close_to_the_cpu_forms(tiny_params,
     got = run_chunks(tiny_params, tiny_cfg, tiny_token_map, prompts, 7, gpu)
     # Through the bf16 residual stream an fp32-ulp change in a mix is a bf16 step here and there, and one
     # can flip a near-tied discrete choice (an expert in a router's top-k, an indexer's top-k) at some
-    # position. On one CPU machine (AMD EPYC, 2026-12-05) the bf16 stream dot did: the last layers' hidden
-    # state at the first prompt's position 1 moved by 1 % of its scale, and, through attention, every
-    # later position's logits by up to 1.7 % (on the machines before, the logits came out equal). So the
-    # bound is a flip's size, 3e-2 of the logit scale, not bf16 noise's 1e-2; and the argmax must agree
-    # at >= 90 % of the real positions (the random tiny model's top-1 margins are small: that flip moved
-    # 2 of 23).
-    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    # position, which attention then carries to every later position of that prompt. On one CPU machine
+    # (AMD EPYC, 2026-12-05) the bf16 stream dot did: logits moved by up to 1.7 % of their scale from the
+    # first prompt's position 1 on. With the expert GEMMs' results rounded to bf16 (2026-12-08) a flip
+    # at the second prompt's position 2 moved its later logits by 3-35 % there, while the first prompt's
+    # 14 positions came out equal. A flip's size has no useful bound in a random tiny model, so the
+    # checks are that most positions agree to bf16 noise (a mis-wired form moves every position) and the
+    # argmax agrees at >= 90 % of the real positions.
     assert np.abs(want).max() > 1.0
     real = [(i, t) for i, p in enumerate(prompts) for t in range(len(p))]
+    rel = np.array([np.abs(got[i, t] - want[i, t]).max() for i, t in real]) / np.abs(want).max()
+    assert np.median(rel) <= 1e-2, np.round(rel, 3)
     top1_same = sum(got[i, t].argmax() == want[i, t].argmax() for i, t in real)
     assert top1_same >= 0.9 * len(real), (top1_same, len(real))
 

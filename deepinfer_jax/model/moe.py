@@ -2,6 +2,10 @@
 
 Routing is row-local with a fixed tie-break, and each token's top-k expert outputs are summed in rank
 order, so a token's result never depends on which other tokens share its experts.
+
+Every expert GEMM's result is rounded as the reference's GEMM writes it (``Numerics.expert_out_dtype``:
+bf16 under the reference's numerics, whose ``fp4_gemm`` / ``fp8_gemm`` allocate the default dtype): g and
+u are then widened to float32 for the SwiGLU, and the layer sums the routed and shared outputs in float32.
 """
 
 from __future__ import annotations
@@ -33,6 +37,17 @@ def route(p_gate: dict, cfg: ModelConfig, x_md: jax.Array, top_k: int) -> tuple[
     return ids, w * cfg.routed_scaling_factor
 
 
+def expert_result(y: jax.Array, numerics: Numerics) -> jax.Array:
+    """An expert GEMM's float32 accumulation as the reference's GEMM writes it (module docstring)."""
+    return y.astype(numerics.expert_out_dtype)
+
+
+def widened(y: jax.Array, numerics: Numerics) -> jax.Array:
+    """g or u as ``Expert.forward``'s ``.float()`` hands them to the SwiGLU: the GEMM's written result,
+    in float32."""
+    return expert_result(y, numerics).astype(jnp.float32)
+
+
 def swiglu(g: jax.Array, u: jax.Array, limit: float | None) -> jax.Array:
     """silu(min(g, limit)) * clamp(u, +-limit); limit None: no clamp (V4's initial-revision shared expert)."""
     if limit is not None:
@@ -43,7 +58,8 @@ def swiglu(g: jax.Array, u: jax.Array, limit: float | None) -> jax.Array:
 
 def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
                           numerics: Numerics, act_block: int) -> jax.Array:
-    """XLA path: gather each token's k experts and run them row by row -> [M, k, D] fp32.
+    """XLA path: gather each token's k experts and run them row by row -> [M, k, D] in
+    ``numerics.expert_out_dtype``.
 
     act_block: the activation quantization block (``ModelConfig.act_quant_block``), for both GEMM inputs.
 
@@ -61,10 +77,10 @@ def routed_experts_gather(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk:
     xq = act_quant(x_md, numerics, act_block).astype(wdt)
     g = jnp.einsum("md,mkid->mki", xq, deq("w1"), precision=numerics.precision, preferred_element_type=jnp.float32)
     u = jnp.einsum("md,mkid->mki", xq, deq("w3"), precision=numerics.precision, preferred_element_type=jnp.float32)
-    hid = swiglu(g, u, limit) * w_mk[..., None]
+    hid = swiglu(widened(g, numerics), widened(u, numerics), limit) * w_mk[..., None]
     hid = act_quant(hid.astype(numerics.dtype), numerics, act_block)
-    return jnp.einsum("mki,mkdi->mkd", hid.astype(wdt), deq("w2"), precision=numerics.precision,
-                      preferred_element_type=jnp.float32)
+    return expert_result(jnp.einsum("mki,mkdi->mkd", hid.astype(wdt), deq("w2"), precision=numerics.precision,
+                                    preferred_element_type=jnp.float32), numerics)
 
 
 def _stored_weight(p_lin: dict) -> jax.Array:
@@ -304,7 +320,8 @@ INTERPRET_BLOCK_M = 16   # the interpreter's tile rows (tests of forms that need
 def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
                            numerics: Numerics, act_block: int, impl: str | None = None,
                            tiled: bool = True) -> jax.Array:
-    """``routed_experts_gather`` on ``pallas_kernels.grouped_gemm.grouped_matmul`` -> [M, k, D] fp32.
+    """``routed_experts_gather`` on ``pallas_kernels.grouped_gemm.grouped_matmul`` -> [M, k, D] in
+    ``numerics.expert_out_dtype``.
 
     Rows are the (token, rank) pairs; the op sorts them by expert, runs fixed-size one-expert tiles and
     returns each row's result unchanged by its neighbours. Same quantizer sites as the gather path; the
@@ -349,11 +366,11 @@ def routed_experts_grouped(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk
         return grouped_matmul(x, w, gid, s, out_dtype=jnp.float32, impl=impl, selection=_auto_selection(),
                               config=cfgs[name], scales_prepared=prepared)
 
-    g = mm(x_rows, "w1")
-    u = mm(x_rows, "w3")
+    g = widened(mm(x_rows, "w1"), numerics)
+    u = widened(mm(x_rows, "w3"), numerics)
     hid = swiglu(g, u, limit) * w_mk.reshape(m * k)[:, None]
     hid = act_quant(hid.astype(numerics.dtype), numerics, act_block)
-    return mm(hid.astype(jnp.bfloat16), "w2").reshape(m, k, -1)
+    return expert_result(mm(hid.astype(jnp.bfloat16), "w2"), numerics).reshape(m, k, -1)
 
 
 def _interpreted(fn, interpret: bool):
@@ -371,7 +388,8 @@ ROUTED_SWIGLU_PADDING = 1.5   # padded rows / routed rows above which the swiglu
 
 def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: jax.Array, limit: float,
                           numerics: Numerics, act_block: int, cfgs: dict, fmts: dict, interpret: bool) -> jax.Array:
-    """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] fp32.
+    """``routed_experts_grouped`` on the kernel with one tile plan for w1, w3 and w2 -> [M, k, D] in
+    ``numerics.expert_out_dtype``.
     x_md [M, D]: the token rows, before the activation quantizer; gid [M*k]: routed row m*k + r is token
     m's rank r. Where the kernel takes E4M3 rows, the quantizer makes them in one pass
     (``linear.act_quant_rows``: bitwise its two-step form).
@@ -426,7 +444,8 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         # element this moves 12 bytes per routed row plus 2 per padded row, instead of 10 per padded
         # row (so from 1.5x padding). Row-local work on the same rows, so the same bits.
         g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)   # [T*block_m, inter] each
-        hid_mi = swiglu(untile_rows(g_pn, plan), untile_rows(u_pn, plan), limit) * w_mk.reshape(m * k, 1)
+        hid_mi = swiglu(widened(untile_rows(g_pn, plan), numerics), widened(untile_rows(u_pn, plan), numerics),
+                        limit) * w_mk.reshape(m * k, 1)
         x2_mi = quantized_rows(hid_mi.astype(numerics.dtype), e4m3["w2"])
         x2_pk = gather_kernel_rows(retile(x2_mi, fp4=fp4["w2"], e4m3=e4m3["w2"]), plan)
     else:
@@ -440,19 +459,21 @@ def _routed_experts_tiled(p_exp: dict, x_md: jax.Array, gid: jax.Array, w_mk: ja
         if q_cfg is not None:
             hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit, config=q_cfg,
                                                        scales_prepared=prepared1, out_dtype=jnp.bfloat16,
-                                                       act_block=q_block), interpret)
+                                                       act_block=q_block, gu_dtype=numerics.expert_out_dtype),
+                                  interpret)
         else:
             if epilogue:
                 # w1, w3 and the swiglu times w_p in one launch: g and u never leave the kernel
                 hid_pn = _interpreted(lambda: swiglu_tiles(plan, x_pk, w1, s1, w3, s3, w_p, limit=limit,
-                                                           config=cfgs["w1"], scales_prepared=prepared1), interpret)
+                                                           config=cfgs["w1"], scales_prepared=prepared1,
+                                                           gu_dtype=numerics.expert_out_dtype), interpret)
             else:
                 g_pn, u_pn = _interpreted(lambda: gate_and_up(x_pk), interpret)
-                hid_pn = swiglu(g_pn, u_pn, limit) * w_p[:, None]
+                hid_pn = swiglu(widened(g_pn, numerics), widened(u_pn, numerics), limit) * w_p[:, None]
             hid_pn = act_quant(hid_pn.astype(numerics.dtype), numerics, act_block)
         x2_pk = retile(hid_pn, fp4=fp4["w2"], e4m3=e4m3["w2"])
     y_pn = _interpreted(lambda: run(x2_pk, "w2"), interpret)
-    return untile_rows(y_pn, plan, jnp.float32).reshape(m, k, -1)
+    return untile_rows(y_pn, plan, numerics.expert_out_dtype).reshape(m, k, -1)
 
 
 def _auto_selection():
@@ -481,13 +502,15 @@ def routed_experts(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Ar
 
 
 def shared_expert(p: dict, x_md: jax.Array, limit: float | None, numerics: Numerics, act_block: int) -> jax.Array:
+    """-> [M, D] in ``numerics.expert_out_dtype``; its GEMMs' results rounded as the routed experts' are."""
+    odt = numerics.expert_out_dtype
     if "w13" in p:    # w1 and w3 held as one linear for the dense kernel (dense_fp8.prepare_dense_fp8)
-        g, u = quant_linear_pair(x_md, p["w13"], numerics, jnp.float32, act_block=act_block)
+        g, u = quant_linear_pair(x_md, p["w13"], numerics, odt, act_block=act_block)
     else:
-        g = quant_linear(x_md, p["w1"], numerics, jnp.float32, act_block=act_block)
-        u = quant_linear(x_md, p["w3"], numerics, jnp.float32, act_block=act_block)
-    hid = swiglu(g, u, limit).astype(numerics.dtype)
-    return quant_linear(hid, p["w2"], numerics, jnp.float32, act_block=act_block)
+        g = quant_linear(x_md, p["w1"], numerics, odt, act_block=act_block)
+        u = quant_linear(x_md, p["w3"], numerics, odt, act_block=act_block)
+    hid = swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit).astype(numerics.dtype)
+    return quant_linear(hid, p["w2"], numerics, odt, act_block=act_block)
 
 
 def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: int | None = None,
@@ -507,10 +530,14 @@ def moe(p: dict, cfg: ModelConfig, x_btd: jax.Array, numerics: Numerics, top_k: 
     with jax.named_scope("routed"):
         routed = (experts_impl or routed_experts)(p["experts"], x, ids, w, cfg.swiglu_limit, numerics, ab)
     with jax.named_scope("shared"):
-        y = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None,
-                          numerics, ab)
-    for k in range(routed.shape[1]):  # fixed rank order, not a tree chosen by the compiler
-        y = y + routed[:, k]
+        shared = shared_expert(p["shared_experts"], x, cfg.swiglu_limit if cfg.shared_expert_clamp else None,
+                               numerics, ab)
+    # float32 sums in a fixed order (rank order, not a tree chosen by the compiler), the shared expert
+    # last, as MoE.forward adds it (the reference walks the routed ones by expert id: the same terms)
+    y = routed[:, 0].astype(jnp.float32)
+    for k in range(1, routed.shape[1]):
+        y = y + routed[:, k].astype(jnp.float32)
+    y = y + shared.astype(jnp.float32)
     return y.astype(numerics.dtype).reshape(b, t, d)
 
 

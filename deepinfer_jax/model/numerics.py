@@ -220,6 +220,14 @@ class Numerics:
     # ``e2e_gpu.py --sections pattn --pattn seesaw``; NOTES item -34). Decode stays "halves": its split
     # 320 is 5 blocks, and its cache is read by the FP4 variant.
     attention_schedule: str = "seesaw-prefill"
+    # Each expert GEMM's result (the routed experts' w1, w3 and w2, the shared expert's) rounded to the
+    # activation dtype, as the reference writes it: its ``fp4_gemm`` / ``fp8_gemm`` (``kernel.py``) allocate
+    # their output in the default dtype, bf16, from the float32 accumulator; ``Expert.forward`` widens
+    # g and u again (``.float()``) for the SwiGLU, and ``MoE.forward`` sums the bf16 outputs into a float32
+    # y. (The spec's "fp32 results" for g and u reads that ``.float()``; its precision map has the FP8
+    # linears' "BF16 out".) True: keep the three results in float32, finer than the reference (the model
+    # before session 37). float32 activations (``exact``) keep float32 either way.
+    expert_outputs_f32: bool = False
 
     @classmethod
     def reference(cls, kv_quant: bool = True) -> "Numerics":
@@ -347,6 +355,11 @@ class Numerics:
     @property
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.act_dtype)
+
+    @property
+    def expert_out_dtype(self) -> jnp.dtype:
+        """The dtype an expert GEMM's result is rounded to (``expert_outputs_f32``)."""
+        return jnp.dtype(jnp.float32) if self.expert_outputs_f32 else self.dtype
 
     @property
     def precision(self) -> jax.lax.Precision:

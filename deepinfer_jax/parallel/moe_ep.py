@@ -31,7 +31,8 @@ from deepinfer_jax.model.numerics import Numerics
 from deepinfer_jax.parallel.collectives import flat_axis_index, ordered_sum
 from deepinfer_jax.sharding import DEFAULT_RULES, ShardingError, ShardingRules, mesh_spec_of
 
-# (p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block) -> [M, k, D] fp32: the single-device expert function.
+# (p_exp, x_md, ids_mk, w_mk, limit, numerics, act_block) -> [M, k, D] in numerics.expert_out_dtype: the
+# single-device expert function.
 ExpertsFn = Callable[..., jax.Array]
 
 
@@ -42,7 +43,8 @@ def _spec(axes: tuple[str, ...]) -> P:
 def routed_experts_ep(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax.Array, limit: float,
                       numerics: Numerics, act_block: int, *, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
                       local_impl: ExpertsFn = routed_experts_gather, combine: str = "gather") -> jax.Array:
-    """Drop-in for ``routed_experts_gather`` on a mesh -> [M, k, D] fp32 (rows split like the batch).
+    """Drop-in for ``routed_experts_gather`` on a mesh -> [M, k, D] in ``numerics.expert_out_dtype`` (rows
+    split like the batch).
 
     combine="gather": all_gather + index-order sum (the default). combine="psum": a psum of the same
     partials; also exact, because each element has a single non-zero contributor and x + 0 = x in any
@@ -64,10 +66,10 @@ def routed_experts_ep(p_exp: dict, x_md: jax.Array, ids_mk: jax.Array, w_mk: jax
         owned = (ids >= lo) & (ids < lo + e_local)
         r = local_impl(p, x, jnp.where(owned, ids - lo, 0), jnp.where(owned, w, 0.0), limit, numerics,
                        act_block)
-        r = jnp.where(owned[..., None], r.astype(jnp.float32), 0.0)
+        r = jnp.where(owned[..., None], r, jnp.zeros((), r.dtype))   # (one real term: exact in any dtype)
         if combine == "psum" and exp_axes:
             return jax.lax.psum(r, exp_axes)
-        return ordered_sum(r, exp_axes)
+        return ordered_sum(r, exp_axes, dtype=r.dtype)
 
     bspec = _spec(batch_axes)
     return jax.shard_map(local, mesh=mesh, in_specs=(_spec(exp_axes), bspec, bspec, bspec), out_specs=bspec)(

@@ -118,19 +118,20 @@ def _fp4_nibble_to_f32(nib):
 
 
 def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmulConfig, out_dtype,
-           w_tile_bytes: int | None = None, n_weights: int = 1, swiglu: tuple[float | None] | None = None):
+           w_tile_bytes: int | None = None, n_weights: int = 1, swiglu: tuple | None = None):
     """w_tile_bytes: the K tile of tile-major weights (``cfg.weights_tile_major``), in bytes per row.
     n_weights: weight arrays of N rows each (same format and shape), run as one launch on the same x
     rows: y's columns are the first one's N, then the next one's. Column block nt reads weight
     nt // (N / block_n); the work of each block is what a launch on that weight alone does.
-    swiglu: (limit, act_block) for the gate/up epilogue (``swiglu_unsupported_reason`` says when it
-    runs): the two weights are gate and up, column block nt covers output columns [nt*F, (nt+1)*F) with
-    F = block_n / 2, its weight tile being gate's rows of those columns, then up's. Consumer c holds the
-    accumulators of gate's and up's rows [c*R, (c+1)*R) of the block (R = block_n / consumers / 2),
-    each fed the same wgmmas in the same order as a launch on that weight alone, and writes
-    h = silu(min(gate, limit)) * clip(up, +-limit) * row_weight (limit None: no clamp) to y [T*block_m, N]:
-    float32 from registers, or (out_dtype bf16) h rounded to bf16 and, with act_block, put through the
-    FP8 activation quantizer per act_block columns (``act_quant.py``), sent from shared memory by TMA."""
+    swiglu: (limit, act_block, gu_dtype) for the gate/up epilogue (``swiglu_unsupported_reason`` says
+    when it runs; gu_dtype as in ``swiglu_tiles``): the two weights are gate and up, column block nt
+    covers output columns [nt*F, (nt+1)*F) with F = block_n / 2, its weight tile being gate's rows of
+    those columns, then up's. Consumer c holds the accumulators of gate's and up's rows [c*R, (c+1)*R)
+    of the block (R = block_n / consumers / 2), each fed the same wgmmas in the same order as a launch
+    on that weight alone, and writes h = silu(min(gate, limit)) * clip(up, +-limit) * row_weight (limit
+    None: no clamp) to y [T*block_m, N]: float32 from registers, or (out_dtype bf16) h rounded to bf16
+    and, with act_block, put through the FP8 activation quantizer per act_block columns
+    (``act_quant.py``), sent from shared memory by TMA."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_cons = cfg.consumers
     wg_rows = bn // n_cons
@@ -460,7 +461,9 @@ def _build(fmt: WeightFormat, n: int, k: int, num_tiles: int, cfg: GroupedMatmul
                     acc = accs[0]
                 if swiglu is not None:
                     # silu(min(g, limit)) * clip(u, +-limit) * row weight, in moe.swiglu's order
-                    (limit, act_block), (g, up) = swiglu, accs
+                    (limit, act_block, gu_dtype), (g, up) = swiglu, accs
+                    if gu_dtype != jnp.float32:     # the products as the reference's GEMMs write them
+                        g, up = (a.astype(gu_dtype).astype(jnp.float32) for a in (g, up))
                     if limit is not None:
                         up = jnp.clip(up, -limit, limit)
                         g = jnp.minimum(g, limit)
@@ -744,15 +747,17 @@ def swiglu_config(config: GroupedMatmulConfig, fmt: WeightFormat, out_dtype=jnp.
 def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.Array | None, w3: jax.Array,
                  w3_scale: jax.Array | None, row_weight_p: jax.Array, *, limit: float | None,
                  config: GroupedMatmulConfig = GroupedMatmulConfig(), scales_prepared: bool = False,
-                 out_dtype=jnp.float32, act_block: int | None = None) -> jax.Array:
+                 out_dtype=jnp.float32, act_block: int | None = None, gu_dtype=jnp.float32) -> jax.Array:
     """An expert FFN's gate/up GEMMs and its SwiGLU in one launch on ``tile_rows`` / ``retile`` rows
     -> h [T*block_m, N] in tile order:
 
-        h = silu(min(x . w1^T, limit)) * clip(x . w3^T, -limit, limit) * row_weight_p[:, None]
+        h = silu(min(g, limit)) * clip(u, -limit, limit) * row_weight_p[:, None],
+        g = x . w1^T and u = x . w3^T rounded to gu_dtype (float32: as accumulated)
 
     (``deepinfer_jax.model.moe.swiglu`` times the row's routing weight; limit None: no clamp). The
     two products are the ones ``grouped_matmul_tiles`` gives for each weight, bit for bit (the same
-    wgmmas in the same K order); the elementwise tail runs in the kernel's registers, so g and u are
+    wgmmas in the same K order); gu_dtype bf16 rounds them as a bf16-output GEMM would (the model's
+    ``Numerics.expert_out_dtype``) before the SwiGLU reads them in float32; the elementwise tail runs in the kernel's registers, so g and u are
     never written (2 x 4 bytes a row and column, read back once). Its bits may differ from XLA's
     elementwise ops on a GPU (exp's rounding); they are still a function of the row alone.
     row_weight_p: float32 [T*block_m], 0 on padding rows (their h is then 0). Unused tiles are not
@@ -775,7 +780,7 @@ def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.A
                          f"{row_weight_p.shape}")
     return _run_kernel(plan.tile_group, x_pk, ws, ss, row_weight_p.astype(jnp.float32), fmt=fmt, config=config,
                        out_dtype=jnp.dtype(out_dtype),
-                       swiglu=(None if limit is None else float(limit), act_block))
+                       swiglu=(None if limit is None else float(limit), act_block, jnp.dtype(gu_dtype)))
 
 
 def _tiles_operands(plan: TilePlan, x_pk, w, w_scale, more, config: GroupedMatmulConfig, scales_prepared: bool,
@@ -851,7 +856,7 @@ def _unpermute(y_np, plan, *, out_dtype):
 def _run_kernel(tile_group, x_pk, ws, s_kernels, row_weight=None, *, fmt, config, out_dtype, swiglu=None):
     """The kernel alone: tile_group [T], x_pk [T*block_m, K] (or ``E4m3Rows``), ws a tuple of weight
     arrays of one shape (s_kernels their kernel-layout scales, or None for bf16) -> y [T*block_m,
-    len(ws) * N] (y^T unless ``writes_rows(config, out_dtype)``); with ``swiglu=(limit,)`` and
+    len(ws) * N] (y^T unless ``writes_rows(config, out_dtype)``); with ``swiglu`` (``_build``'s) and
     row_weight [T*block_m] float32, the gate/up epilogue's y [T*block_m, N]."""
     n = row_major_shape(ws[0], config)[1]
     x_scale = ()

@@ -755,16 +755,25 @@ def route(
 
 def swiglu_expert(
     x_td: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, limit: float,
-    route_weight_t: np.ndarray | None = None, fake_quant: bool = False,
+    route_weight_t: np.ndarray | None = None, fake_quant: bool = False, bf16: bool = False,
 ) -> np.ndarray:
-    """W2 (silu(min(W1 x, limit)) * clamp(W3 x, +-limit) [* routing weight]) -> [T, D]."""
+    """W2 (silu(min(W1 x, limit)) * clamp(W3 x, +-limit) [* routing weight]) -> [T, D].
+
+    bf16: the official reference's roundings in a bf16 model: each GEMM's result written as bf16
+    (kernel.py's fp4_gemm / fp8_gemm allocate the default dtype; Expert.forward's ``.float()`` widens g
+    and u again) and h cast to bf16 before W2 (``x.to(dtype)``)."""
+    rnd = _bf16 if bf16 else (lambda a: a)
     xq = _act_quant(x_td, fake_quant)
-    g = np.minimum(xq @ w1.T, limit)
-    u = np.clip(xq @ w3.T, -limit, limit)
+    g = np.minimum(rnd(xq @ w1.T), limit)
+    u = np.clip(rnd(xq @ w3.T), -limit, limit)
     h = g * sigmoid(g) * u
     if route_weight_t is not None:
         h = h * route_weight_t[:, None]  # before the down projection and its activation quantization
-    return _act_quant(h, fake_quant) @ w2.T
+    return rnd(_act_quant(rnd(h), fake_quant) @ w2.T)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def moe(x_td: np.ndarray, weights: dict, prefix: str, cfg: RefConfig, fake_quant: bool = False):
