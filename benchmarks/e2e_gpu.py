@@ -80,6 +80,10 @@ Sections:
   decode of the cache then the bf16 kernel): the A/B on one machine (other bits: the digests may differ).
 * dectiles: the decode row at --profile-batch and the first context with ``Numerics.decode_index_tiles``
   at --decode-index-tiles-ab (the streamed decode index-score form): the A/B on one machine (same bits).
+* expf32: the decode row at --profile-batch and the first context with the expert GEMMs' results kept
+  in float32 (``Numerics.expert_outputs_f32``, the model before session 37) instead of rounded to bf16
+  as the reference writes them: the A/B of that rounding on one machine (other bits).
+* pexpf32: the same for the prefill of the last --prompts length at the first --chunk, replay off.
 * pdl: the decode row at --profile-batch and the first context with the Mosaic GPU kernels (grouped
   GEMM, attention, Sinkhorn) under programmatic dependent launch (``Numerics.kernel_pdl``): the A/B on
   one machine (same bits: the first step's token digest must match the decode row's).
@@ -945,7 +949,7 @@ def with_decode_block_m(block_m: int) -> None:
 # Every --sections name (module docstring); an unknown one is refused rather than silently skipped.
 SECTIONS = ("ceil", "decode", "prefill", "host", "timeline", "profile", "experts", "ptimeline", "pattn", "ptopk", "pcandsort",
             "pswiglu", "pswigluq", "decidx", "dectiles", "decfp4", "nographs",
-            "bf16experts", "w13two", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
+            "bf16experts", "w13two", "expf32", "pexpf32", "pdl", "densexla", "gatherattn", "unroll", "fullsampler", "searchbits", "xla")
 
 
 def _xla_option(text: str) -> tuple[str, bool | int | str]:
@@ -1176,6 +1180,9 @@ def main(argv=None):
     if "decfp4" in want:   # A/B of Numerics.decode_index_fp4 against the decode section's row
         decode_ab("decode-index-fp4", "decode-index-fp4",
                   dataclasses.replace(numerics, decode_index_fp4=not numerics.decode_index_fp4))
+    if "expf32" in want:   # A/B of Numerics.expert_outputs_f32 against the decode section's row
+        decode_ab("expert-outputs-f32-decode", "expert-outputs-f32",
+                  dataclasses.replace(numerics, expert_outputs_f32=not numerics.expert_outputs_f32))
     if "pdl" in want:   # A/B of Numerics.kernel_pdl against the decode section's row
         decode_ab("pdl-decode", "kernel-pdl", dataclasses.replace(numerics, kernel_pdl=True))
     if "densexla" in want and params_dense_xla is not None:   # A/B of Numerics.dense_kernel: XLA's bf16 dots
@@ -1232,6 +1239,10 @@ def main(argv=None):
         label = "swiglu-quant-kernel" if other else "swiglu-quant-xla"
         section(f"prefill-{label}", run_prefill, out, m, dataclasses.replace(numerics, expert_swiglu_quant=other),
                 prompts[-1:], chunks[0], (False,), label)
+    if "pexpf32" in want:   # A/B of Numerics.expert_outputs_f32 against the prefill section's rows
+        section("prefill-expert-outputs-f32", run_prefill, out, m,
+                dataclasses.replace(numerics, expert_outputs_f32=not numerics.expert_outputs_f32),
+                prompts[-1:], chunks[0], (False,), "expert-outputs-f32")
     if "ptimeline" in want:
         section("prefill-timeline", run_prefill_timeline, out, m, numerics, prompts[-1], args.chunk)
     if "xla" in want:

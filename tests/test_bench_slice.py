@@ -77,7 +77,7 @@ def test_decode_bytes_add_up(tiny_slice):
 
 
 def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
-    """benchmarks/e2e_gpu.py's diagnostic sections (experts, host, nographs, bf16experts, gatherattn) run end to end
+    """benchmarks/e2e_gpu.py's diagnostic sections (experts, host, nographs, bf16experts, gatherattn, expf32) run end to end
     on the tiny slice, as a device call would run them: no section records an error, the experts
     section counts each layer's distinct routed experts (at most the batch's picks, at most the
     experts there are) and reprices the step's bytes with them."""
@@ -85,7 +85,7 @@ def test_e2e_script_diagnostic_sections_run_on_cpu(tmp_path):
 
     import e2e_gpu
 
-    rc = e2e_gpu.main(["--tiny", "--layers", "4", "--sections", "decode,experts,host,nographs,bf16experts,gatherattn",
+    rc = e2e_gpu.main(["--tiny", "--layers", "4", "--sections", "decode,experts,host,nographs,bf16experts,gatherattn,expf32",
                        "--compile-cache", "none", "--out", str(tmp_path)])
     got = json.loads((tmp_path / "e2e_gpu.json").read_text())
     assert rc == 0, got["sections"]
