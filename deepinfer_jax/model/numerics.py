@@ -5,9 +5,10 @@ fake-quantization before every quantized GEMM and on the KV caches. ``Numerics.e
 activations and no fake quantization: the mode the float64 numpy tests compare against, because a
 quantizer that flips one rounding step makes any float64-vs-float32 comparison meaningless.
 ``Numerics.fast()`` keeps the reference's quantizers and caches but runs the attention core and the
-routed-expert GEMMs with the kernels' numerics (``pallas_kernels``: bf16 probabilities for p.kv, bf16
-expert outputs, fixed-size expert tiles): the deployment path. On a Hopper GPU that is the Pallas
-kernels, elsewhere their batch-invariant XLA fallbacks with the same roundings.
+routed-expert GEMMs with the kernels' numerics (``pallas_kernels``: bf16 probabilities for p.kv,
+fixed-size expert tiles): the deployment path. On a Hopper GPU that is the Pallas kernels, elsewhere
+their batch-invariant XLA fallbacks with the same roundings. Every mode with bf16 activations rounds
+each expert GEMM's result to bf16, as the reference does (``expert_outputs_f32``).
 
 ``Numerics.kernels`` picks who computes the hot ops (a static string, so jit caches key on it):
 
