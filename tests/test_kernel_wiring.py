@@ -336,11 +336,11 @@ def _routed_tol(p_exp, x, ids, w, limit):
     u = np.einsum("md,mkid->mki", xs, w3[ids])
     gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
     sig = 1 / (1 + np.exp(-gc))
-    rw = np.abs(np.asarray(w, np.float64))[..., None]
-    hid = gc * sig * uc * np.asarray(w, np.float64)[..., None]
+    rw = np.asarray(w, np.float64)[..., None]
+    hid = gc * sig * uc * rw
     d_g = np.where(g < limit, np.abs(sig * (1 + gc * (1 - sig))) * np.abs(uc) * np.abs(g), 0.0)
     d_u = np.where(np.abs(u) < limit, np.abs(gc * sig) * np.abs(u), 0.0)
-    d_hid = 2.0 ** -7 * ((d_g + d_u) * rw + np.abs(hid))
+    d_hid = 2.0 ** -7 * ((d_g + d_u) * np.abs(rw) + np.abs(hid))
     y = np.einsum("mki,mkdi->mkd", hid, w2[ids])
     return (np.einsum("mki,mkdi->mkd", d_hid, np.abs(w2[ids])) + 2.0 ** -7 * np.abs(y)) * 1.01 + 1e-6
 

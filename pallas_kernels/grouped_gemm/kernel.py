@@ -757,8 +757,9 @@ def swiglu_tiles(plan: TilePlan, x_pk: jax.Array, w1: jax.Array, w1_scale: jax.A
     (``deepinfer_jax.model.moe.swiglu`` times the row's routing weight; limit None: no clamp). The
     two products are the ones ``grouped_matmul_tiles`` gives for each weight, bit for bit (the same
     wgmmas in the same K order); gu_dtype bf16 rounds them as a bf16-output GEMM would (the model's
-    ``Numerics.expert_out_dtype``) before the SwiGLU reads them in float32; the elementwise tail runs in the kernel's registers, so g and u are
-    never written (2 x 4 bytes a row and column, read back once). Its bits may differ from XLA's
+    ``Numerics.expert_out_dtype``) before the SwiGLU reads them in float32; the elementwise tail runs
+    in the kernel's registers, so g and u are never written (2 x 4 bytes a row and column, read back
+    once). Its bits may differ from XLA's
     elementwise ops on a GPU (exp's rounding); they are still a function of the row alone.
     row_weight_p: float32 [T*block_m], 0 on padding rows (their h is then 0). Unused tiles are not
     written. The config must pass ``swiglu_unsupported_reason``.

@@ -762,7 +762,7 @@ def swiglu_expert(
     bf16: the official reference's roundings in a bf16 model: each GEMM's result written as bf16
     (kernel.py's fp4_gemm / fp8_gemm allocate the default dtype; Expert.forward's ``.float()`` widens g
     and u again) and h cast to bf16 before W2 (``x.to(dtype)``)."""
-    rnd = _bf16 if bf16 else (lambda a: a)
+    rnd = round_bf16 if bf16 else (lambda a: a)
     xq = _act_quant(x_td, fake_quant)
     g = np.minimum(rnd(xq @ w1.T), limit)
     u = np.clip(rnd(xq @ w3.T), -limit, limit)
@@ -772,8 +772,9 @@ def swiglu_expert(
     return rnd(_act_quant(rnd(h), fake_quant) @ w2.T)
 
 
-def _bf16(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bf16 (to nearest even), as float64."""
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def moe(x_td: np.ndarray, weights: dict, prefix: str, cfg: RefConfig, fake_quant: bool = False):
